@@ -1,0 +1,11 @@
+"""Built-in plugin `generation` (placeholder until its issue lands)."""
+
+from __future__ import annotations
+
+from ..hookspecs import hookimpl
+from ..patching import Patch
+
+
+@hookimpl
+def neuron_patches() -> list[Patch]:
+    return []

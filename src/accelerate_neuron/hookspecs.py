@@ -1,0 +1,77 @@
+"""The extension points of accelerate-neuron.
+
+Built-in features implement these hooks exactly like third-party plugins
+(entry point group ``accelerate_neuron``). For ``firstresult`` hooks the most
+recently registered plugin that returns a non-``None`` value wins, and
+third-party plugins are registered after the built-ins, so a third-party
+implementation overrides a built-in default; ``@hookimpl(trylast=True)`` keeps
+one as a fallback instead.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from .patching import Patch
+
+hookspec = pluggy.HookspecMarker("accelerate_neuron")
+hookimpl = pluggy.HookimplMarker("accelerate_neuron")
+
+
+@hookspec
+def neuron_patches() -> list[Patch]:
+    """Patches this plugin contributes.
+
+    Each is applied when its module is imported, and only on a host with a
+    Neuron device (real or simulated).
+    """
+
+
+@hookspec(firstresult=True)
+def neuron_memory_budget(index: int, total_memory: int, reserved: int, free: int | None) -> int | None:
+    """Bytes ``device_map`` planning may place on visible core ``index``.
+
+    ``free`` is ``mem_get_info``'s answer where the backend has it, else None.
+    The built-in answer is ``free`` or ``total_memory - reserved``.
+    """
+
+
+@hookspec(firstresult=True)
+def neuron_generation_tensor_device(name: str, model_device: torch.device) -> torch.device | str | None:
+    """Where ``generate()`` keeps the growing tensor ``name`` (``input_ids``, ``attention_mask``, ...).
+
+    The built-in answer is ``"cpu"``: growing tensors on the host keep the
+    compiled graphs' input shapes fixed.
+    """
+
+
+@hookspec(firstresult=True)
+def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
+    """Default ``torch.compile`` settings for ``purpose`` (``"generate"`` or ``"train"``).
+
+    Keys: ``backend``, ``dynamic``, ``fullgraph``, ``mode``. The built-in
+    answer is ``{"backend": "neuron", "dynamic": False, "fullgraph": False, "mode": None}``.
+    """
+
+
+@hookspec(firstresult=True)
+def neuron_static_cache_length(requested: int, max_position_embeddings: int | None) -> int | None:
+    """The static KV-cache length to allocate when generation asks for ``requested``.
+
+    The built-in answer rounds up to a bucket (powers of two), so different
+    prompt lengths and ``max_new_tokens`` reuse a few compiled graphs.
+    """
+
+
+@hookspec(firstresult=True)
+def neuron_training_shape_policy(max_length: int | None) -> dict[str, Any] | None:
+    """How training batches are padded on Neuron.
+
+    Returns ``{"buckets": [int, ...], "pad_to_multiple_of": int | None,
+    "drop_last": bool}`` or ``None`` for the built-in default.
+    """

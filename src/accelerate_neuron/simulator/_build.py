@@ -1,0 +1,207 @@
+"""Build and load the simulator's native library.
+
+The simulated device is a small C++ library against the installed PyTorch
+(allocator, device guard, hooks, kernels). It is compiled on first use, not at
+``pip install`` time: compiling against torch at install time would need torch
+inside pip's isolated build environment, which pulls a multi-GB CUDA wheel.
+The result is cached per (sources, torch build, compiler), so later processes
+load it in milliseconds. Concurrent first uses (``torchrun``) build once under
+a file lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+logger = logging.getLogger("accelerate_neuron")
+
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("runtime.cpp", "kernels.cpp", "autocast.cpp")
+_HEADERS = ("sim.h",)
+_LIB_NAME = "libneuron_sim.so"
+
+# ATen/autocast_mode.h macro -> policy of the boxed autocast kernel.
+_POLICY_MACROS = {
+    "AT_FORALL_LOWER_PRECISION_FP": "kLower",
+    "AT_FORALL_FP32": "kFp32",
+    "AT_FORALL_FP32_SET_OPT_DTYPE": "kFp32SetOptDtype",
+    "AT_FORALL_PROMOTE": "kPromote",
+}
+
+
+class SimulatorBuildError(RuntimeError):
+    """The native part of the simulated device could not be compiled."""
+
+
+def cache_dir() -> Path:
+    """Where compiled simulator libraries are kept (``ACCELERATE_NEURON_CACHE_DIR``)."""
+    explicit = os.environ.get("ACCELERATE_NEURON_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "accelerate_neuron"
+
+
+def _compiler() -> str:
+    for candidate in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise SimulatorBuildError(
+        "The simulated Neuron device needs a C++ compiler to build once per PyTorch "
+        "version (none of $CXX, c++, g++, clang++ was found). Install one, e.g. "
+        "`apt-get install g++` or Xcode's command line tools."
+    )
+
+
+def policy_table(torch_include: Path) -> str:
+    """C++ initialisers for the autocast policy, read from the installed torch."""
+    header = (torch_include / "ATen" / "autocast_mode.h").read_text()
+    rows = []
+    for macro, policy in _POLICY_MACROS.items():
+        match = re.search(rf"#define {macro}\(_\)(.*?)(?:\n\s*\n|\n#)", header, re.S)
+        if not match:
+            logger.debug("autocast list %s not found in %s", macro, torch_include)
+            continue
+        for name, overload in re.findall(r"_\((\w+)(?:,\s*(\w+))?\)", match.group(1)):
+            if overload == "deprecated":
+                continue
+            rows.append(f'{{"{name}", "{overload}", Policy::{policy}}},')
+    if not rows:
+        raise SimulatorBuildError(f"no autocast policy lists found in {torch_include}")
+    return "\n".join(rows) + "\n"
+
+
+def _build_key(torch_mod, compiler: str) -> str:
+    digest = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        digest.update((_CSRC / name).read_bytes())
+    digest.update(torch_mod.__version__.encode())
+    digest.update(str(Path(torch_mod.__file__).resolve()).encode())
+    digest.update(str(torch_mod._C._GLIBCXX_USE_CXX11_ABI).encode())
+    digest.update(compiler.encode())
+    digest.update(sys.version.encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile(torch_mod, compiler: str, out: Path) -> None:
+    from torch.utils import cpp_extension
+
+    include_flags = [f"-I{p}" for p in cpp_extension.include_paths()]
+    torch_lib = Path(torch_mod.__file__).parent / "lib"
+    work = Path(tempfile.mkdtemp(prefix="neuron_sim_build_"))
+    try:
+        for name in _SOURCES + _HEADERS:
+            shutil.copy(_CSRC / name, work / name)
+        (work / "policy_table.inc").write_text(policy_table(Path(cpp_extension.include_paths()[0])))
+        common = [
+            compiler,
+            "-O1",
+            "-std=c++17",
+            "-fPIC",
+            "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch_mod._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-I{work}",
+            *include_flags,
+            f"-I{sysconfig.get_paths()['include']}",
+        ]
+
+        def compile_one(name: str) -> Path:
+            obj = work / (name + ".o")
+            proc = subprocess.run(
+                [*common, "-c", str(work / name), "-o", str(obj)],
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode != 0:
+                raise SimulatorBuildError(f"compiling {name} failed:\n{proc.stderr[-4000:]}")
+            return obj
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:
+            objects = list(pool.map(compile_one, _SOURCES))
+        link = [compiler, "-shared", *map(str, objects), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
+        if sys.platform == "darwin":
+            link += ["-undefined", "dynamic_lookup"]
+        link += [f"-Wl,-rpath,{torch_lib}", "-o", str(work / _LIB_NAME)]
+        proc = subprocess.run(link, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SimulatorBuildError(f"linking the simulator failed:\n{proc.stderr[-4000:]}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copy(work / _LIB_NAME, tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def library_path(torch_mod) -> Path:
+    """Path of the compiled library for this torch, building it when missing."""
+    compiler = _compiler()
+    key = _build_key(torch_mod, compiler)
+    target = cache_dir() / f"sim-{torch_mod.__version__}-{key}" / _LIB_NAME
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            started = time.monotonic()
+            sys.stderr.write(
+                f"accelerate-neuron: building the simulated Neuron device for torch "
+                f"{torch_mod.__version__} (first use only, about 20 s)...\n"
+            )
+            sys.stderr.flush()
+            _compile(torch_mod, compiler, target)
+            logger.info("built %s in %.1f s", target, time.monotonic() - started)
+    return target
+
+
+def load(torch_mod) -> ctypes.CDLL:
+    """Load the native library into this process (registers the kernels)."""
+    path = library_path(torch_mod)
+    torch_mod.ops.load_library(str(path))
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, u64 = ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
+    signatures = {
+        "nsim_configure": ([i32, i64], None),
+        "nsim_num_devices": ([], i32),
+        "nsim_is_initialized": ([], i32),
+        "nsim_mark_initialized": ([], None),
+        "nsim_mark_bad_fork": ([], None),
+        "nsim_in_bad_fork": ([], i32),
+        "nsim_current_device": ([], i32),
+        "nsim_set_device": ([i32], None),
+        "nsim_memory": ([i32, i32], i64),
+        "nsim_reset_peak": ([i32], None),
+        "nsim_counter": ([i32], i64),
+        "nsim_signature_count": ([], i64),
+        "nsim_signatures": ([ctypes.c_char_p, i64], i64),
+        "nsim_reset_stats": ([], None),
+        "nsim_suspend_counting": ([i32], None),
+        "nsim_manual_seed": ([i32, u64], None),
+        "nsim_seed": ([i32], u64),
+        "nsim_initial_seed": ([i32], u64),
+        "nsim_get_rng_state": ([i32, ctypes.c_void_p, i64], i64),
+        "nsim_set_rng_state": ([i32, ctypes.c_void_p, i64], None),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = restype

@@ -1,0 +1,131 @@
+"""The simulated ``"neuron"`` torch.compile backend.
+
+Like torch-neuronx, it hands AOTAutograd's graphs (forward, backward, or a
+single inference graph) to "the compiler". Here compiling means recording the
+graph and its input shapes; running it executes the graph's aten ops on the
+device with eager-signature counting suspended, because on Neuron those ops
+are one compiled NEFF, not op-by-op eager work.
+
+Registered only by the simulator: a real torch-neuronx registers its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .runtime import state
+
+BACKEND_NAME = "neuron"
+
+_lock = threading.Lock()
+_graphs: list[dict[str, Any]] = []
+_dynamo_graphs = 0
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"shape": [str(s) if not isinstance(s, int) else s for s in value.shape], "dtype": str(value.dtype).removeprefix("torch."), "device": str(value.device)}
+    if isinstance(value, torch.SymInt | int):
+        return {"value": str(value)}
+    return {"type": type(value).__name__}
+
+
+def _input_names(gm: torch.fx.GraphModule) -> list[str]:
+    names = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        arg = node.meta.get("grapharg")
+        source = getattr(arg, "source", None)
+        name = getattr(source, "name", None) if source is not None else None
+        if callable(name):
+            name = name()
+        names.append(name if isinstance(name, str) else node.name)
+    return names
+
+
+def _compile_context() -> dict[str, Any]:
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+        return {"compile_id": str(compile_id) if compile_id is not None else None}
+    except Exception:  # private API; the record is still useful without it
+        return {"compile_id": None}
+
+
+def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any]) -> Callable:
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        record = {
+            "kind": kind,
+            "dynamo_graph": dynamo_index,
+            "compile_id": context.get("compile_id"),
+            "dynamo_inputs": context.get("dynamo_inputs", []),
+            "inputs": [_describe(x) for x in example_inputs],
+            "num_nodes": sum(1 for _ in gm.graph.nodes),
+        }
+        with _lock:
+            record["index"] = len(_graphs)
+            _graphs.append(record)
+        lib = state().lib
+
+        def run(args: list[Any]) -> Any:
+            lib.nsim_suspend_counting(1)
+            try:
+                return gm(*args)
+            finally:
+                lib.nsim_suspend_counting(-1)
+
+        run._boxed_call = True  # AOTAutograd passes the argument list itself
+        return run
+
+    return compiler
+
+
+def neuron_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Callable:
+    """torch.compile backend ``"neuron"`` of the simulated device."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    global _dynamo_graphs
+    with _lock:
+        dynamo_index = _dynamo_graphs
+        _dynamo_graphs += 1
+    context = _compile_context()
+    context["dynamo_inputs"] = [
+        {"name": name, **_describe(x)} for name, x in zip(_input_names(gm), example_inputs)
+    ]
+    backend = aot_autograd(
+        fw_compiler=_make_compiler("forward", dynamo_index, context),
+        bw_compiler=_make_compiler("backward", dynamo_index, context),
+        inference_compiler=_make_compiler("inference", dynamo_index, context),
+    )
+    return backend(gm, example_inputs)
+
+
+def register(_module: object = None) -> None:
+    """Make ``torch.compile(backend="neuron")`` use the simulated backend."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if _BACKENDS.get(BACKEND_NAME) is None:
+        register_backend(neuron_backend, name=BACKEND_NAME)
+
+
+def graph_records() -> list[dict[str, Any]]:
+    with _lock:
+        return [dict(r) for r in _graphs]
+
+
+def dynamo_graph_count() -> int:
+    with _lock:
+        return _dynamo_graphs
+
+
+def reset() -> None:
+    global _dynamo_graphs
+    with _lock:
+        _graphs.clear()
+        _dynamo_graphs = 0

@@ -1,0 +1,563 @@
+// ATen kernels of the simulated Neuron device.
+//
+// A handful of kernels are registered explicitly (allocation, views, copies);
+// every other operator reaches `neuron_fallback`, which runs the CPU kernel on
+// zero-copy CPU aliases of the device tensors and maps the results back to the
+// device. Each fallback call is one op Neuron's eager mode would compile for
+// its (op, shapes, dtypes), so that is what the eager-signature counter keys on.
+
+#include "sim.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_local_scalar_dense_native.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/resize_native.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <sstream>
+
+namespace nsim {
+namespace {
+
+constexpr c10::DispatchKeySet kDeviceKeys(c10::DispatchKey::PrivateUse1);
+
+// A CPU tensor over the same memory as `t` (device memory is host memory).
+at::Tensor cpu_alias(const at::Tensor& t) {
+  const c10::Storage& st = t.storage();
+  c10::Storage cpu_storage(
+      c10::Storage::use_byte_size_t(),
+      st.nbytes(),
+      c10::DataPtr(const_cast<void*>(st.data()), c10::Device(c10::DeviceType::CPU)),
+      /*allocator=*/nullptr,
+      /*resizable=*/false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(cpu_storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor empty_on_device(
+    c10::IntArrayRef size,
+    c10::IntArrayRef stride,
+    c10::ScalarType dtype,
+    int device) {
+  c10::DeviceGuard guard(c10::Device(c10::DeviceType::PrivateUse1, device));
+  return at::detail::empty_strided_generic(
+      size, stride, device_allocator(), kDeviceKeys, dtype);
+}
+
+// A new device tensor holding a copy of the CPU result `r`.
+at::Tensor upload_result(const at::Tensor& r, int device) {
+  at::Tensor out = empty_on_device(r.sizes(), r.strides(), r.scalar_type(), device);
+  if (r.numel() > 0) {
+    cpu_alias(out).copy_(r);
+  }
+  return out;
+}
+
+// A device view of `base`'s storage with the geometry of the CPU view `r`.
+at::Tensor device_view(const at::Tensor& base, const at::Tensor& r) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::TensorImpl::VIEW, c10::Storage(base.storage()), base.key_set(), r.dtype());
+  impl->set_sizes_and_strides(r.sizes(), r.strides(), r.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+int index_of(const at::Tensor& t) {
+  return t.device().index() < 0 ? t_device : t.device().index();
+}
+
+const char* short_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "f32";
+    case c10::ScalarType::Double: return "f64";
+    case c10::ScalarType::Half: return "f16";
+    case c10::ScalarType::BFloat16: return "bf16";
+    case c10::ScalarType::Long: return "i64";
+    case c10::ScalarType::Int: return "i32";
+    case c10::ScalarType::Short: return "i16";
+    case c10::ScalarType::Char: return "i8";
+    case c10::ScalarType::Byte: return "u8";
+    case c10::ScalarType::Bool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << short_dtype(t.scalar_type()) << "[";
+  for (size_t i = 0; i < t.sizes().size(); ++i) {
+    os << (i ? "," : "") << t.sizes()[i];
+  }
+  os << "]";
+  return os.str();
+}
+
+// ------------------------------------------------------------ explicit kernels
+
+at::Tensor empty_memory_format(
+    c10::IntArrayRef size,
+    std::optional<c10::ScalarType> dtype,
+    std::optional<c10::Layout> layout,
+    std::optional<c10::Device> device,
+    std::optional<bool> pin_memory,
+    std::optional<c10::MemoryFormat> memory_format) {
+  const auto dev = c10::device_or_default(device);
+  TORCH_CHECK(dev.is_privateuseone(), "expected a neuron device, got ", dev);
+  TORCH_CHECK(
+      c10::layout_or_default(layout) == c10::Layout::Strided,
+      "only strided tensors are supported on neuron");
+  TORCH_CHECK(
+      !c10::pinned_memory_or_default(pin_memory),
+      "only CPU tensors can be pinned");
+  const int index = dev.has_index() ? dev.index() : t_device;
+  check_device_index(index);
+  c10::DeviceGuard guard(c10::Device(c10::DeviceType::PrivateUse1, index));
+  return at::detail::empty_generic(
+      size, device_allocator(), kDeviceKeys, c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(
+    c10::IntArrayRef size,
+    c10::IntArrayRef stride,
+    std::optional<c10::ScalarType> dtype,
+    std::optional<c10::Layout> layout,
+    std::optional<c10::Device> device,
+    std::optional<bool> pin_memory) {
+  const auto dev = c10::device_or_default(device);
+  TORCH_CHECK(dev.is_privateuseone(), "expected a neuron device, got ", dev);
+  TORCH_CHECK(
+      c10::layout_or_default(layout) == c10::Layout::Strided,
+      "only strided tensors are supported on neuron");
+  TORCH_CHECK(
+      !c10::pinned_memory_or_default(pin_memory),
+      "only CPU tensors can be pinned");
+  const int index = dev.has_index() ? dev.index() : t_device;
+  check_device_index(index);
+  return empty_on_device(size, stride, c10::dtype_or_default(dtype), index);
+}
+
+at::Tensor as_strided(
+    const at::Tensor& self,
+    c10::IntArrayRef size,
+    c10::IntArrayRef stride,
+    std::optional<int64_t> storage_offset) {
+  return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
+}
+
+at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) {
+  return at::native::view(self, size);
+}
+
+at::Tensor reshape_alias(
+    const at::Tensor& self,
+    c10::IntArrayRef size,
+    c10::IntArrayRef stride) {
+  return at::native::_reshape_alias(self, size, stride);
+}
+
+const at::Tensor& resize_(
+    const at::Tensor& self,
+    c10::IntArrayRef size,
+    std::optional<c10::MemoryFormat> memory_format) {
+  c10::DeviceGuard guard(self.device());
+  return at::native::resize_(self, size, memory_format);
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  (void)non_blocking; // the simulator's transfers are synchronous
+  check_usable();
+  const int64_t bytes = static_cast<int64_t>(self.numel()) * self.element_size();
+  at::Tensor src_cpu = self.is_privateuseone() ? cpu_alias(self) : self;
+  at::Tensor dst_cpu = dst.is_privateuseone() ? cpu_alias(dst) : dst;
+  if (self.is_privateuseone() && dst.is_privateuseone()) {
+    if (index_of(self) != index_of(dst)) {
+      g_d2d.fetch_add(bytes);
+    }
+  } else if (dst.is_privateuseone()) {
+    g_h2d.fetch_add(bytes);
+  } else {
+    g_d2h.fetch_add(static_cast<int64_t>(dst.numel()) * dst.element_size());
+  }
+  dst_cpu.copy_(src_cpu);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  if (dst.is_privateuseone()) {
+    resize_(dst, self.sizes(), std::nullopt);
+  } else {
+    dst.resize_(self.sizes());
+  }
+  return copy_from(self, dst, false);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  check_usable();
+  g_d2h.fetch_add(self.element_size());
+  return at::native::_local_scalar_dense_cpu(cpu_alias(self));
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  return at::native::set_tensor_(self, source);
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, at::Storage source) {
+  return at::native::set_(self, source);
+}
+
+at::Tensor& set_source_storage_offset(
+    at::Tensor& self,
+    at::Storage source,
+    int64_t storage_offset,
+    c10::IntArrayRef size,
+    c10::IntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, source, storage_offset, size, stride);
+}
+
+at::Tensor cpu_alias_op(const at::Tensor& self) {
+  return cpu_alias(self);
+}
+
+// ------------------------------------------------------------ fallback
+
+bool is_optional_tensor_list(const c10::TypePtr& type) {
+  auto list = type->cast<c10::ListType>();
+  if (!list) {
+    return false;
+  }
+  auto opt = list->getElementType()->cast<c10::OptionalType>();
+  return opt && opt->getElementType()->kind() == c10::TypeKind::TensorType;
+}
+
+bool is_generator_arg(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::GeneratorType) {
+    return true;
+  }
+  auto opt = type->cast<c10::OptionalType>();
+  return opt && opt->getElementType()->kind() == c10::TypeKind::GeneratorType;
+}
+
+// Set while an out= kernel is retried with host temporaries (see below).
+thread_local bool t_out_temps = false;
+
+struct Binding {
+  at::Tensor device_tensor;
+  at::Tensor cpu_tensor;
+  bool is_out_temp;
+};
+
+class DeviceChecker {
+ public:
+  void see(const at::Tensor& t, const std::string& arg) {
+    if (!t.defined()) {
+      return;
+    }
+    if (t.is_privateuseone()) {
+      const int d = index_of(t);
+      if (device_ < 0) {
+        device_ = d;
+        device_arg_ = arg;
+      } else if (d != device_) {
+        fail("neuron:" + std::to_string(device_), "neuron:" + std::to_string(d), arg);
+      }
+      if (!cpu_arg_.empty()) {
+        fail("neuron:" + std::to_string(device_), "cpu", cpu_arg_);
+      }
+    } else if (t.is_cpu() && t.dim() > 0) {
+      if (cpu_arg_.empty()) {
+        cpu_arg_ = arg;
+      }
+      if (device_ >= 0) {
+        fail("neuron:" + std::to_string(device_), "cpu", arg);
+      }
+    }
+  }
+  int device() const {
+    return device_;
+  }
+  void set_device(int d) {
+    if (device_ < 0) {
+      device_ = d;
+    }
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& a, const std::string& b, const std::string& arg) {
+    TORCH_CHECK(
+        false,
+        "Expected all tensors to be on the same device, but found at least two devices, ",
+        a,
+        " and ",
+        b,
+        "! (when checking argument '",
+        arg,
+        "' of ",
+        op_,
+        ")");
+  }
+
+ public:
+  std::string op_;
+
+ private:
+  int device_ = -1;
+  std::string device_arg_;
+  std::string cpu_arg_;
+};
+
+at::Tensor to_cpu_binding(
+    const at::Tensor& t,
+    bool is_out,
+    std::vector<Binding>& bindings) {
+  if (!t.defined() || !t.is_privateuseone()) {
+    return t;
+  }
+  at::Tensor alias = cpu_alias(t);
+  if (is_out && t_out_temps) {
+    // Retry of an out= kernel that had to grow its output: the alias has
+    // fixed-size storage, so the kernel writes into a host temporary that is
+    // copied back afterwards.
+    at::Tensor temp = at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kCPU));
+    if (t.numel() > 0) {
+      temp.copy_(alias);
+    }
+    bindings.push_back({t, temp, true});
+    return temp;
+  }
+  bindings.push_back({t, alias, false});
+  return alias;
+}
+
+at::Tensor from_cpu_result(const at::Tensor& r, int device, const std::vector<Binding>& bindings) {
+  if (!r.defined() || !r.is_cpu()) {
+    return r;
+  }
+  for (const auto& b : bindings) {
+    if (r.unsafeGetTensorImpl() == b.cpu_tensor.unsafeGetTensorImpl()) {
+      return b.device_tensor;
+    }
+  }
+  const void* data = r.storage().data();
+  if (data != nullptr) {
+    for (const auto& b : bindings) {
+      if (!b.is_out_temp && b.cpu_tensor.storage().data() == data) {
+        return device_view(b.device_tensor, r);
+      }
+    }
+  }
+  return upload_result(r, device);
+}
+
+void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  check_usable();
+  const auto& schema = op.schema();
+  const auto& arguments = schema.arguments();
+  const size_t num_args = arguments.size();
+  const size_t begin = stack->size() - num_args;
+  const bool counting = t_suspend_counting == 0;
+
+  DeviceChecker checker;
+  checker.op_ = schema.operator_name().name;
+  if (!schema.overload_name().empty()) {
+    checker.op_ += "." + schema.overload_name();
+  }
+  std::string signature;
+  if (counting) {
+    signature = checker.op_ + "(";
+  }
+  bool first_part = true;
+  auto add_part = [&](const std::string& part) {
+    signature += (first_part ? "" : ", ") + part;
+    first_part = false;
+  };
+  std::vector<Binding> bindings;
+  std::vector<size_t> generator_slots;
+  int device_arg = -1;
+
+  for (size_t i = 0; i < num_args; ++i) {
+    c10::IValue& v = (*stack)[begin + i];
+    const auto& arg = arguments[i];
+    const bool is_out =
+        arg.alias_info() && arg.alias_info()->isWrite() && arg.kwarg_only();
+    if (v.isTensor()) {
+      const at::Tensor t = v.toTensor();
+      checker.see(t, arg.name());
+      if (counting && t.defined()) {
+        add_part(describe(t));
+      }
+      v = to_cpu_binding(t, is_out, bindings);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      c10::List<at::Tensor> converted;
+      converted.reserve(list.size());
+      std::string part = "[";
+      for (const at::Tensor& t : list) {
+        checker.see(t, arg.name());
+        if (counting) {
+          part += (part.size() > 1 ? ", " : "") + describe(t);
+        }
+        converted.push_back(to_cpu_binding(t, false, bindings));
+      }
+      if (counting) {
+        add_part(part + "]");
+      }
+      v = converted;
+    } else if (v.isList() && is_optional_tensor_list(arg.type())) {
+      // Index lists: like CUDA, index tensors may live on the host.
+      auto list = v.toOptionalTensorList();
+      c10::List<std::optional<at::Tensor>> converted;
+      std::string part = "[";
+      for (const std::optional<at::Tensor>& ot : list) {
+        const bool present = ot.has_value() && ot->defined();
+        if (counting) {
+          part += (part.size() > 1 ? ", " : "") + (present ? describe(*ot) : std::string("None"));
+        }
+        if (present) {
+          converted.push_back(to_cpu_binding(*ot, false, bindings));
+        } else {
+          converted.push_back(std::nullopt);
+        }
+      }
+      if (counting) {
+        add_part(part + "]");
+      }
+      v = converted;
+    } else if (v.isDevice()) {
+      const c10::Device d = v.toDevice();
+      if (d.is_privateuseone()) {
+        device_arg = d.has_index() ? d.index() : t_device;
+        v = c10::Device(c10::DeviceType::CPU);
+      }
+    } else if (is_generator_arg(arg.type())) {
+      generator_slots.push_back(begin + i);
+    }
+  }
+
+  if (checker.device() < 0) {
+    checker.set_device(device_arg >= 0 ? device_arg : t_device);
+  }
+  const int device = checker.device();
+  check_device_index(device);
+  for (size_t slot : generator_slots) {
+    c10::IValue& v = (*stack)[slot];
+    at::Generator gen = v.isNone() ? default_generator(device) : v.toGenerator();
+    v = cpu_generator_for(gen);
+  }
+  if (counting) {
+    signature += ")";
+    record_signature(std::move(signature));
+  }
+
+  // Keep the converted arguments: an out= kernel that must grow its output
+  // cannot do so through a fixed-size alias and is retried on temporaries.
+  std::vector<c10::IValue> saved;
+  if (!t_out_temps && schema.is_mutable()) {
+    saved.assign(stack->begin() + begin, stack->end());
+  }
+  try {
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  } catch (const c10::Error& e) {
+    const bool resize_failure =
+        std::string(e.what()).find("not resizable") != std::string::npos;
+    if (t_out_temps || saved.empty() || !resize_failure) {
+      throw;
+    }
+    stack->resize(begin);
+    std::vector<Binding> retry_bindings;
+    t_out_temps = true;
+    try {
+      for (size_t i = 0; i < num_args; ++i) {
+        c10::IValue v = saved[i];
+        const auto& arg = arguments[i];
+        const bool is_out =
+            arg.alias_info() && arg.alias_info()->isWrite() && arg.kwarg_only();
+        if (is_out && v.isTensor()) {
+          // Find the device tensor behind this alias.
+          for (const auto& b : bindings) {
+            if (b.cpu_tensor.unsafeGetTensorImpl() == v.toTensor().unsafeGetTensorImpl()) {
+              v = to_cpu_binding(b.device_tensor, true, retry_bindings);
+            }
+          }
+        }
+        stack->push_back(std::move(v));
+      }
+      t_out_temps = false;
+    } catch (...) {
+      t_out_temps = false;
+      throw;
+    }
+    for (auto& b : retry_bindings) {
+      bindings.push_back(b);
+    }
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  }
+
+  // out= kernels wrote into host temporaries: copy them back to the device.
+  for (const auto& b : bindings) {
+    if (b.is_out_temp) {
+      at::Tensor dst = b.device_tensor;
+      if (dst.sizes() != b.cpu_tensor.sizes()) {
+        resize_(dst, b.cpu_tensor.sizes(), std::nullopt);
+      }
+      if (b.cpu_tensor.numel() > 0) {
+        cpu_alias(dst).copy_(b.cpu_tensor);
+      }
+    }
+  }
+
+  const size_t num_returns = schema.returns().size();
+  const size_t rbegin = stack->size() - num_returns;
+  for (size_t j = 0; j < num_returns; ++j) {
+    c10::IValue& v = (*stack)[rbegin + j];
+    if (v.isTensor()) {
+      v = from_cpu_result(v.toTensor(), device, bindings);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      c10::List<at::Tensor> converted;
+      converted.reserve(list.size());
+      for (const at::Tensor& t : list) {
+        converted.push_back(from_cpu_result(t, device, bindings));
+      }
+      v = converted;
+    }
+  }
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(empty_strided));
+  m.impl("as_strided", TORCH_FN(as_strided));
+  m.impl("view", TORCH_FN(view));
+  m.impl("_reshape_alias", TORCH_FN(reshape_alias));
+  m.impl("resize_", TORCH_FN(resize_));
+  m.impl("_copy_from", TORCH_FN(copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
+  m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+  m.impl("set_.source_Tensor", TORCH_FN(set_source_tensor));
+  m.impl("set_.source_Storage", TORCH_FN(set_source_storage));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_source_storage_offset));
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
+}
+
+TORCH_LIBRARY(neuron_sim, m) {
+  m.def("cpu_alias(Tensor(a) self) -> Tensor(a)");
+}
+
+TORCH_LIBRARY_IMPL(neuron_sim, PrivateUse1, m) {
+  m.impl("cpu_alias", TORCH_FN(cpu_alias_op));
+}
+
+} // namespace nsim

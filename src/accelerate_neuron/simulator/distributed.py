@@ -1,0 +1,158 @@
+"""The simulated ``"neuron"`` c10d backend.
+
+Collectives run through gloo on zero-copy CPU aliases of the device tensors,
+so results land in device memory as on hardware. What is modelled from the
+real ProcessGroupNeuron: it is registered for ``devices=["neuron"]``; creating
+it sets ``NEURON_RT_VISIBLE_CORES=$LOCAL_RANK`` when unset (one core per
+process); and it refuses to start when this process already initialised the
+Neuron runtime (touching the device before ``init_process_group`` breaks a
+torchrun job on Trainium).
+
+Not modelled: collective performance, and the physical sharing of cores
+between processes (each process simulates its own cores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .runtime import state
+
+logger = logging.getLogger("accelerate_neuron")
+
+BACKEND_NAME = "neuron"
+
+
+class RuntimeAlreadyInitializedError(RuntimeError):
+    """The Neuron runtime was initialised before the "neuron" process group."""
+
+
+def _host(obj: Any) -> Any:
+    """Replace neuron tensors (also inside lists) by CPU aliases of their memory."""
+    if isinstance(obj, torch.Tensor):
+        return torch.ops.neuron_sim.cpu_alias(obj) if obj.device.type == "neuron" else obj
+    if isinstance(obj, list):
+        return [_host(o) for o in obj]
+    if isinstance(obj, tuple):
+        return tuple(_host(o) for o in obj)
+    return obj
+
+
+class NeuronProcessGroup(torch.distributed.ProcessGroup):
+    """ProcessGroup for ``backend="neuron"`` on the simulated device."""
+
+    def __init__(self, rank: int, world_size: int, inner: Any) -> None:
+        super().__init__(rank, world_size)
+        self._inner = inner
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return BACKEND_NAME
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(BACKEND_NAME)]
+
+    def _call(self, name: str, *args: Any) -> Any:
+        with torch.no_grad():
+            return getattr(self._inner, name)(*(_host(a) for a in args))
+
+    def allreduce(self, tensors, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.AllreduceOptions()
+        return self._call("allreduce", tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.AllreduceCoalescedOptions()
+        return self._call("allreduce_coalesced", tensors, opts)
+
+    def broadcast(self, tensors, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.BroadcastOptions()
+        return self._call("broadcast", tensors, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.AllgatherOptions()
+        return self._call("allgather", output_tensors, input_tensors, opts)
+
+    def _allgather_base(self, output, input, opts=None):  # noqa: A002, ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.AllgatherOptions()
+        return self._call("_allgather_base", output, input, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.AllgatherOptions()
+        return self._call("allgather_into_tensor_coalesced", outputs, inputs, opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.ReduceScatterOptions()
+        return self._call("reduce_scatter", output_tensors, input_tensors, opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002, ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.ReduceScatterOptions()
+        return self._call("_reduce_scatter_base", output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.ReduceScatterOptions()
+        return self._call("reduce_scatter_tensor_coalesced", outputs, inputs, opts)
+
+    def reduce(self, tensors, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.ReduceOptions()
+        return self._call("reduce", tensors, opts)
+
+    def gather(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.GatherOptions()
+        return self._call("gather", output_tensors, input_tensors, opts)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.ScatterOptions()
+        return self._call("scatter", output_tensors, input_tensors, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002, ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.AllToAllOptions()
+        return self._call("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.AllToAllOptions()
+        return self._call("alltoall", output_tensors, input_tensors, opts)
+
+    def barrier(self, opts=None):  # noqa: ANN001, ANN201
+        opts = opts if opts is not None else torch.distributed.BarrierOptions()
+        return self._inner.barrier(opts)
+
+    def send(self, tensors, dst, tag=0):  # noqa: ANN001, ANN201
+        return self._call("send", tensors, dst, tag)
+
+    def recv(self, tensors, src, tag=0):  # noqa: ANN001, ANN201
+        return self._call("recv", tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag=0):  # noqa: ANN001, ANN201
+        return self._call("recv_anysource", tensors, tag)
+
+
+def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> NeuronProcessGroup:
+    sim = state()
+    if sim.is_initialized():
+        raise RuntimeAlreadyInitializedError(
+            "ProcessGroupNeuron: the Neuron runtime of this process was initialised before "
+            "init_process_group(backend='neuron') (simulated device, same rule as torch-neuronx). "
+            "Do not touch the device (tensor.to('neuron'), torch.neuron.set_device(), "
+            "get_device_properties()) before the process group exists."
+        )
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and not os.environ.get("NEURON_RT_VISIBLE_CORES"):
+        os.environ["NEURON_RT_VISIBLE_CORES"] = local_rank
+        logger.debug("NEURON_RT_VISIBLE_CORES=%s set by the neuron process group", local_rank)
+    sim.refresh()
+    inner = torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+    return NeuronProcessGroup(rank, world_size, inner)
+
+
+def register(_module: object = None) -> None:
+    """Register the ``"neuron"`` c10d backend (once torch.distributed is imported)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=[BACKEND_NAME])

@@ -1,0 +1,130 @@
+"""Tiny models and tokenizers built in-process: no hub access, no downloaded weights.
+
+Used by the demo, the tests and the benchmarks. Shapes follow real families
+(Qwen3, Llama, GPT-2, T5) at toy size; weights are random with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+CORPUS = (
+    "the neuron core runs the compiled graph . "
+    "a static cache keeps every decode step the same shape . "
+    "trainium chips have many neuron cores and fast memory . "
+    "hugging face models load with device map auto . "
+    "generate keeps growing tensors on the host . "
+    "compiles not flops decide wall time on neuron . "
+    "hello world , this is a tiny model that talks about accelerators . "
+)
+
+FAMILIES = ("qwen3", "llama", "gpt2", "t5")
+
+
+def tokenizer(vocab_size: int = 384) -> Any:
+    """A small byte-level BPE fast tokenizer trained on :data:`CORPUS` (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+    )
+    fast.padding_side = "left"
+    return fast
+
+
+def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> Any:
+    """A toy-size config of ``family`` (one of :data:`FAMILIES`)."""
+    import transformers
+
+    common = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            **common,
+        )
+    elif family == "llama":
+        cfg = transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            **common,
+        )
+    elif family == "gpt2":
+        cfg = transformers.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
+    elif family == "t5":
+        cfg = transformers.T5Config(
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            vocab_size=vocab_size,
+            pad_token_id=0,
+            eos_token_id=2,
+        )
+    else:
+        raise ValueError(f"unknown tiny model family {family!r}; expected one of {', '.join(FAMILIES)}")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def model(family: str = "qwen3", seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised toy model of ``family`` on CPU, in eval mode."""
+    import torch
+    import transformers
+
+    cfg = config(family, **overrides)
+    torch.manual_seed(seed)
+    if family == "t5":
+        m = transformers.T5ForConditionalGeneration(cfg)
+    else:
+        m = transformers.AutoModelForCausalLM.from_config(cfg)
+    return m.eval()
+
+
+def save_pretrained(path: str | os.PathLike[str], family: str = "qwen3", seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny model (safetensors) and its tokenizer to ``path``; return the folder."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    model(family, seed=seed, **overrides).save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    return folder
