@@ -180,6 +180,9 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   if (self.is_privateuseone() && dst.is_privateuseone()) {
     if (index_of(self) != index_of(dst)) {
       g_d2d.fetch_add(bytes);
+    } else if (t_suspend_counting == 0) {
+      // A copy within a core (a cast, a slice assignment) runs on the device.
+      record_signature("aten::copy_(" + describe(dst) + ", " + describe(self) + ")");
     }
   } else if (dst.is_privateuseone()) {
     g_h2d.fetch_add(bytes);
@@ -220,6 +223,18 @@ at::Tensor& set_source_storage_offset(
     c10::IntArrayRef size,
     c10::IntArrayRef stride) {
   return at::native::set_storage_cpu_(self, source, storage_offset, size, stride);
+}
+
+// Lets `param.data = tensor_on_neuron` (Module.to, Accelerate) keep the same
+// Parameter object, as for CUDA; otherwise Module._apply makes new Parameters
+// and tied weights come apart. PyTorch's dense-backend list lacks PrivateUse1
+// and expects backends to register this (see OpenReg).
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto plain = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && !t.is_quantized() &&
+        (t.is_cpu() || t.is_privateuseone());
+  };
+  return plain(self) && plain(from);
 }
 
 at::Tensor cpu_alias_op(const at::Tensor& self) {
@@ -546,6 +561,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", TORCH_FN(set_source_tensor));
   m.impl("set_.source_Storage", TORCH_FN(set_source_storage));
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_source_storage_offset));
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
