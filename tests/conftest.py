@@ -16,14 +16,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import contextlib  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+import contextlib
+from collections.abc import Iterator
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-import accelerate_neuron  # noqa: E402
-from accelerate_neuron import activation, patching, simulator  # noqa: E402
+import accelerate_neuron
+from accelerate_neuron import activation, patching, simulator
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

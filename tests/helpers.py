@@ -27,7 +27,9 @@ def clean_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
-def run_python(code: str, *, timeout: float = 600, check: bool = True, **env: str | None) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *, timeout: float = 600, check: bool = True, **env: str | None
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with :func:`clean_env` (``env`` overrides it)."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from helpers import last_json, run_python
 
 REPORT = """
@@ -17,7 +18,7 @@ print(json.dumps({**st.as_dict(), "modules_after_import_torch": MODULES}))
 """
 
 
-def _child(prelude: str = "", after: str = "", **env: str | None):  # noqa: ANN202
+def _child(prelude: str = "", after: str = "", **env: str | None):
     code = (
         textwrap.dedent(prelude)
         + "\nimport sys\nimport torch\n"
@@ -75,7 +76,9 @@ def test_autoload_that_raises_leaves_import_torch_working() -> None:
         broken.activate = activate
         sys.modules["accelerate_neuron.activation"] = broken
     """
-    code = textwrap.dedent(prelude) + "\nimport torch\nx = torch.ones(2)\nprint(json_ok := 'imported', x.sum().item())\n"
+    code = (
+        textwrap.dedent(prelude) + "\nimport torch\nx = torch.ones(2)\nprint(json_ok := 'imported', x.sum().item())\n"
+    )
     proc = run_python(code, ACCELERATE_NEURON_SIMULATE="2")
     assert "imported 2.0" in proc.stdout
 
@@ -92,7 +95,9 @@ def _fake_package(root: Path, name: str, init: str, extra: dict[str, str] | None
 
 def test_broken_torch_neuronx_does_not_break_import(tmp_path: Path) -> None:
     # PyPI's placeholder "torch-neuronx" raises on import.
-    _fake_package(tmp_path, "torch_neuronx", 'raise ImportError("WRONG PACKAGE. Please install from the Neuron repository")')
+    _fake_package(
+        tmp_path, "torch_neuronx", 'raise ImportError("WRONG PACKAGE. Please install from the Neuron repository")'
+    )
     inert = last_json(_child(PYTHONPATH=str(tmp_path)).stdout)
     assert inert["neuron"] is None and inert["error"] == ""
     proc = _child(
@@ -220,7 +225,8 @@ def test_upstream_gates_are_not_frozen_by_an_early_call() -> None:
         import torch
         import accelerate.utils.imports as ai
         from transformers.utils import import_utils as ti
-        gates = [g for g in (getattr(ai, "is_neuron_available", None), getattr(ti, "is_torch_neuron_available", None)) if g]
+        candidates = (getattr(ai, "is_neuron_available", None), getattr(ti, "is_torch_neuron_available", None))
+        gates = [g for g in candidates if g]
         early = [g() for g in gates]
         from accelerate_neuron import simulator
         simulator.install(cores=2)
@@ -254,7 +260,9 @@ def test_torch_xla_beside_native_backend_is_kept_off_the_xla_path(tmp_path: Path
         import accelerate.utils as au
         print("xla", os.environ.get("USE_TORCH_XLA"), au.is_torch_xla_available())
     """
-    stock = run_python("import torch, accelerate.utils as au; print('xla', au.is_torch_xla_available())", PYTHONPATH=str(tmp_path))
+    stock = run_python(
+        "import torch, accelerate.utils as au; print('xla', au.is_torch_xla_available())", PYTHONPATH=str(tmp_path)
+    )
     assert "xla True" in stock.stdout
     proc = _child(after=after, PYTHONPATH=str(tmp_path), ACCELERATE_NEURON_SIMULATE="2")
     assert "xla 0 False" in proc.stdout

@@ -18,19 +18,19 @@ def fake_upstream() -> Iterator[types.ModuleType]:
     """A throwaway module standing in for an upstream library."""
     module = types.ModuleType("fake_upstream")
 
-    def get_budget(max_memory=None, devices=None):  # noqa: ANN001, ANN202
+    def get_budget(max_memory=None, devices=None):
         return {"cpu": 1}
 
     class Loader:
-        def load(self, path):  # noqa: ANN001, ANN202
+        def load(self, path):
             return f"loaded {path}"
 
         @staticmethod
-        def probe(x):  # noqa: ANN001, ANN205
+        def probe(x):
             return x
 
         @classmethod
-        def make(cls, x):  # noqa: ANN001, ANN206
+        def make(cls, x):
             return (cls.__name__, x)
 
     module.get_budget = get_budget
@@ -46,8 +46,8 @@ def fake_upstream() -> Iterator[types.ModuleType]:
     del sys.modules["fake_upstream"], sys.modules["fake_upstream_alias"]
 
 
-def _neuron_budget(original):  # noqa: ANN001, ANN202
-    def get_budget(max_memory=None, devices=None):  # noqa: ANN001, ANN202
+def _neuron_budget(original):
+    def get_budget(max_memory=None, devices=None):
         return {0: 100, **original(max_memory, devices)}
 
     return get_budget
@@ -76,7 +76,9 @@ def test_apply_is_idempotent(fake_upstream: types.ModuleType) -> None:
     assert fake_upstream.get_budget() == {0: 100, "cpu": 1}
 
 
-def test_missing_target_is_skipped_with_reason(fake_upstream: types.ModuleType, caplog: pytest.LogCaptureFixture) -> None:
+def test_missing_target_is_skipped_with_reason(
+    fake_upstream: types.ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
     patch = Patch("fake_upstream", "get_max_memory", _neuron_budget, reason="renamed upstream")
     with caplog.at_level(logging.INFO, logger="accelerate_neuron"):
         record = patching.apply(patch)
@@ -109,7 +111,7 @@ def test_feature_detection_skips_when_upstream_already_does_it(fake_upstream: ty
 
 
 def test_broken_feature_probe_leaves_upstream_alone(fake_upstream: types.ModuleType) -> None:
-    def probe(original):  # noqa: ANN001, ANN202
+    def probe(original):
         raise KeyError("boom")
 
     record = patching.apply(Patch("fake_upstream", "get_budget", _neuron_budget, reason="r", needed=probe))
@@ -130,14 +132,16 @@ def test_methods_keep_their_descriptor_kind(fake_upstream: types.ModuleType) -> 
 
 def test_aliases_follow_only_while_identical(fake_upstream: types.ModuleType) -> None:
     alias_module = sys.modules["fake_upstream_alias"]
-    patch = Patch("fake_upstream", "get_budget", _neuron_budget, reason="r", aliases=("fake_upstream_alias.get_budget",))
+    patch = Patch(
+        "fake_upstream", "get_budget", _neuron_budget, reason="r", aliases=("fake_upstream_alias.get_budget",)
+    )
     record = patching.apply(patch)
     assert alias_module.get_budget is fake_upstream.get_budget
     assert record.aliases == ["fake_upstream_alias.get_budget"]
     patching.revert(patch.key)
     assert alias_module.get_budget() == {"cpu": 1}
 
-    def users_own(max_memory=None, devices=None):  # noqa: ANN001, ANN202
+    def users_own(max_memory=None, devices=None):
         return "mine"
 
     alias_module.get_budget = users_own  # rebound by someone else: leave it

@@ -43,7 +43,10 @@ def test_upstream_gates_see_neuron() -> None:
     from transformers.utils import import_utils
 
     assert importlib.util.find_spec("torch_neuronx") is not None
-    for gate in (getattr(accelerate_imports, "is_neuron_available", None), getattr(import_utils, "is_torch_neuron_available", None)):
+    for gate in (
+        getattr(accelerate_imports, "is_neuron_available", None),
+        getattr(import_utils, "is_torch_neuron_available", None),
+    ):
         if gate is not None:
             assert gate() is True
 
@@ -75,7 +78,7 @@ def test_out_of_memory_names_core_and_sizes() -> None:
     assert torch.neuron.memory_stats(1)["num_ooms"] >= 1
 
 
-def test_eager_signatures_are_distinct_op_shape_dtype(sim) -> None:  # noqa: ANN001
+def test_eager_signatures_are_distinct_op_shape_dtype(sim) -> None:
     x = torch.ones(4, device="neuron")
     y = x + 1
     y = y * 2
@@ -95,7 +98,7 @@ def test_eager_signatures_are_distinct_op_shape_dtype(sim) -> None:  # noqa: ANN
     assert sim.stats()["eager_signature_list"][-1] == "aten::copy_(bf16[8], f32[8])"
 
 
-def test_transfer_bytes(sim) -> None:  # noqa: ANN001
+def test_transfer_bytes(sim) -> None:
     host = torch.arange(10, dtype=torch.float32)
     dev = host.to("neuron")
     assert sim.stats()["h2d_bytes"] == 40 and sim.stats()["d2h_bytes"] == 0
@@ -108,7 +111,7 @@ def test_transfer_bytes(sim) -> None:  # noqa: ANN001
     assert sim.stats()["d2d_bytes"] == 40
 
 
-def test_compile_backend_counts_graphs_per_shape(sim) -> None:  # noqa: ANN001
+def test_compile_backend_counts_graphs_per_shape(sim) -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(x @ x.T).sum(-1)
 
@@ -129,7 +132,7 @@ def test_compile_backend_counts_graphs_per_shape(sim) -> None:  # noqa: ANN001
     assert stats["eager_signatures"] == eager_after_reference
 
 
-def test_compiled_training_step_is_forward_and_backward_graphs(sim) -> None:  # noqa: ANN001
+def test_compiled_training_step_is_forward_and_backward_graphs(sim) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to("neuron")
     compiled = torch.compile(model, backend="neuron", dynamic=False)
     sim.reset_stats()
@@ -182,11 +185,13 @@ def test_pinned_memory_and_non_blocking_copies() -> None:
     assert host.is_pinned()
     dev = host.to("neuron", non_blocking=True)
     assert torch.equal(dev.cpu(), host)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2, pin_memory=True)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2, pin_memory=True
+    )
     assert all(batch[0].is_pinned() for batch in loader)
 
 
-def test_what_accelerate_and_transformers_do_to_device_tensors(tmp_path) -> None:  # noqa: ANN001
+def test_what_accelerate_and_transformers_do_to_device_tensors(tmp_path) -> None:
     import safetensors.torch
 
     weight = torch.nn.Parameter(torch.randn(3, 3, device="neuron"))
@@ -228,7 +233,7 @@ def test_invalid_device_index_is_a_clear_error() -> None:
         torch.neuron.memory_allocated(3)
 
 
-def test_stats_shape_and_reset(sim) -> None:  # noqa: ANN001
+def test_stats_shape_and_reset(sim) -> None:
     torch.ones(3, device="neuron").cpu()
     stats = sim.stats()
     for key in ("compiles", "eager_signatures", "h2d_bytes", "d2h_bytes", "memory_allocated"):

@@ -47,7 +47,9 @@ def test_sampling_and_beam_search_ops_match_cpu() -> None:
     dev = logits.to("neuron")
     torch.testing.assert_close(torch.topk(dev, 5).values.cpu(), torch.topk(logits, 5).values)
     torch.testing.assert_close(torch.log_softmax(dev, -1).cpu(), torch.log_softmax(logits, -1))
-    torch.testing.assert_close(torch.cumsum(torch.softmax(dev, -1), -1).cpu(), torch.cumsum(torch.softmax(logits, -1), -1))
+    torch.testing.assert_close(
+        torch.cumsum(torch.softmax(dev, -1), -1).cpu(), torch.cumsum(torch.softmax(logits, -1), -1)
+    )
     torch.manual_seed(0)
     cpu_draw = torch.multinomial(torch.softmax(logits, -1), 4, replacement=True)
     torch.neuron.manual_seed_all(0)

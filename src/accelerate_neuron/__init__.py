@@ -7,9 +7,17 @@ changes nothing.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+import time as _time
 
-from .hookspecs import hookimpl
+_IMPORT_STARTED = _time.perf_counter()  # the entry point's cost includes this package's import
+
+from importlib.metadata import PackageNotFoundError, version  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+from .hookspecs import hookimpl  # noqa: E402
+
+if TYPE_CHECKING:
+    from .status import Status
 
 try:
     __version__ = version("accelerate-neuron")
@@ -18,8 +26,10 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = ["__version__", "hookimpl", "status"]
 
+_ENTRY_POINT = "import torch (torch.backends entry point)"
 
-def status():  # noqa: ANN201 - returns accelerate_neuron.status.Status
+
+def status() -> Status:
     """What is active: the Neuron device, plugins, patches applied/skipped (and why)."""
     from .status import collect
 
@@ -33,8 +43,9 @@ def _activate_on_import() -> None:
         from .activation import activate
 
         torch = sys.modules.get("torch")
-        during_torch_import = torch is not None and getattr(getattr(torch, "__spec__", None), "_initializing", False)
-        activate("import torch (torch.backends entry point)" if during_torch_import else "import accelerate_neuron")
+        in_torch_import = torch is not None and getattr(getattr(torch, "__spec__", None), "_initializing", False)
+        state = activate(_ENTRY_POINT if in_torch_import else "import accelerate_neuron")
+        state.seconds = _time.perf_counter() - _IMPORT_STARTED
     except Exception:  # never break an import
         pass
 

@@ -12,10 +12,10 @@ def autoload() -> None:
         from .activation import activate
 
         activate("import torch (torch.backends entry point)")
-    except BaseException:  # noqa: BLE001 - nothing may escape into `import torch`
+    except BaseException:
         try:
             import logging
 
             logging.getLogger("accelerate_neuron").debug("accelerate_neuron autoload failed", exc_info=True)
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass

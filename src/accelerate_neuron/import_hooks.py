@@ -84,14 +84,14 @@ class _LoaderWrapper(importlib.abc.Loader):
                 spec.loader = self._loader
         _fire(self._name, module)
 
-    def __getattr__(self, item: str):  # noqa: ANN204 - delegate e.g. get_resource_reader
+    def __getattr__(self, item: str):
         return getattr(self._loader, item)
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     _busy = threading.local()
 
-    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001
+    def find_spec(self, fullname, path=None, target=None):
         if fullname not in _pending or getattr(self._busy, "active", False):
             return None
         self._busy.active = True

@@ -43,7 +43,13 @@ class PluginInfo:
     module: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "active": self.active, "detail": self.detail, "module": self.module}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "active": self.active,
+            "detail": self.detail,
+            "module": self.module,
+        }
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,9 @@ class _Manager:
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             if ep.name in self.infos:
                 logger.warning(
-                    "accelerate_neuron: third-party plugin %r (%s) has the name of a built-in; ignored", ep.name, ep.value
+                    "accelerate_neuron: third-party plugin %r (%s) has the name of a built-in; ignored",
+                    ep.name,
+                    ep.value,
                 )
                 continue
             if setting.all or ep.name in setting.names:

@@ -64,8 +64,7 @@ def parse_core_list(value: str, *, total: int | None = None, what: str = "NEURON
         match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
         if not match:
             raise ValueError(
-                f"invalid {what}={value!r}: {part!r} is not a core id or range; "
-                f"expected e.g. '0', '0-3' or '0,2'"
+                f"invalid {what}={value!r}: {part!r} is not a core id or range; expected e.g. '0', '0-3' or '0,2'"
             )
         lo = int(match.group(1))
         hi = int(match.group(2)) if match.group(2) is not None else lo

@@ -45,28 +45,43 @@ class Status:
         }
 
     def __str__(self) -> str:
+        return self.report()
+
+    def report(self, verbose: bool = False) -> str:
+        """A readable summary; ``verbose`` also lists the patches still waiting for an import."""
         lines = [f"accelerate-neuron {self.version}"]
         lines.append(f"  Neuron device : {self.devices}")
         lines.append(f"  activated by  : {self.activated_by or 'not activated'}")
         if self.error:
             lines.append(f"  error         : {self.error} (the plugin stays inert)")
-        if self.inert_reason:
-            lines.append(f"  state         : inert - {self.inert_reason}")
-        else:
-            lines.append("  state         : active")
+        lines.append(f"  state         : {'inert - ' + self.inert_reason if self.inert_reason else 'active'}")
         if self.plugins:
-            lines.append("  plugins:")
-            for p in self.plugins:
-                mark = "on " if p["active"] else "off"
-                detail = f" - {p['detail']}" if p["detail"] else ""
-                lines.append(f"    [{mark}] {p['name']:<11} {p['kind']}{detail}")
+            on = [p["name"] for p in self.plugins if p["active"]]
+            off = [f"{p['name']} ({p['detail']})" for p in self.plugins if not p["active"]]
+            lines.append(f"  plugins on    : {', '.join(on) or '-'}")
+            if off:
+                lines.append(f"  plugins off   : {'; '.join(off)}")
         if self.patches:
-            lines.append("  patches:")
+            waiting = [p for p in self.patches if p["status"] == "pending"]
+            counts = {k: sum(p["status"] == k for p in self.patches) for k in ("applied", "skipped", "reverted")}
+            summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+            if waiting:
+                summary += (", " if summary else "") + f"{len(waiting)} waiting for an import"
+            lines.append(f"  patches       : {summary}")
             for p in self.patches:
+                if p["status"] == "pending" and not verbose:
+                    continue
                 lines.append(f"    {p['status']:<8} {p['target']}  [{p['plugin']}]")
-                why = p["detail"] if p["status"] != "applied" else p["reason"]
+                why = p["reason"] if p["status"] == "applied" else p["detail"]
                 if why:
                     lines.append(f"             {why}")
+            if waiting and not verbose:
+                by_library: dict[str, int] = {}
+                for p in waiting:
+                    library = p["target"].split(".")[0]
+                    by_library[library] = by_library.get(library, 0) + 1
+                listed = ", ".join(f"{lib} ({n})" for lib, n in sorted(by_library.items()))
+                lines.append(f"    waiting  {listed}: applied when your script imports them")
         if self.actions:
             lines.append("  actions:")
             lines.extend(f"    {a}" for a in self.actions)

@@ -43,6 +43,9 @@ def tokenizer(vocab_size: int = 384) -> Any:
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
+        # Like the Qwen/Llama tokenizers it stands in for; 4.57's default adds
+        # token_type_ids, which decoder-only generate() rejects.
+        model_input_names=["input_ids", "attention_mask"],
     )
     fast.padding_side = "left"
     return fast

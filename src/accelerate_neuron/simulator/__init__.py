@@ -63,9 +63,9 @@ def is_installed() -> bool:
 
 def _real_torch_neuronx_present() -> bool:
     """A real (importable) torch-neuronx, as opposed to none or PyPI's placeholder."""
-    from . import torch_neuronx_shim
-
     import sys
+
+    from . import torch_neuronx_shim
 
     module = sys.modules.get("torch_neuronx")
     if module is not None:
@@ -125,8 +125,8 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
                 "The simulator never shadows Neuron hardware; unset ACCELERATE_NEURON_SIMULATE."
             )
 
-        from . import _build, compile_backend, device_module, distributed, torch_neuronx_shim
         from ..import_hooks import when_imported
+        from . import _build, compile_backend, device_module, distributed, torch_neuronx_shim
 
         lib = _build.load(torch)
         state = SimState(lib=lib, total_cores=cores, hbm_bytes=hbm_bytes)

@@ -28,7 +28,11 @@ _dynamo_graphs = 0
 
 def _describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return {"shape": [str(s) if not isinstance(s, int) else s for s in value.shape], "dtype": str(value.dtype).removeprefix("torch."), "device": str(value.device)}
+        return {
+            "shape": [str(s) if not isinstance(s, int) else s for s in value.shape],
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "device": str(value.device),
+        }
     if isinstance(value, torch.SymInt | int):
         return {"value": str(value)}
     return {"type": type(value).__name__}
@@ -95,9 +99,8 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **op
         dynamo_index = _dynamo_graphs
         _dynamo_graphs += 1
     context = _compile_context()
-    context["dynamo_inputs"] = [
-        {"name": name, **_describe(x)} for name, x in zip(_input_names(gm), example_inputs)
-    ]
+    names = _input_names(gm)
+    context["dynamo_inputs"] = [{"name": n, **_describe(x)} for n, x in zip(names, example_inputs, strict=False)]
     backend = aot_autograd(
         fw_compiler=_make_compiler("forward", dynamo_index, context),
         bw_compiler=_make_compiler("backward", dynamo_index, context),

@@ -66,7 +66,9 @@ class NeuronDeviceProperties:
 
     def __repr__(self) -> str:
         gib = self.total_memory / 2**30
-        return f"NeuronDeviceProperties(name='{self.name}', total_memory={gib:.0f}GiB, physical_core={self.physical_core})"
+        return (
+            f"NeuronDeviceProperties(name='{self.name}', total_memory={gib:.0f}GiB, physical_core={self.physical_core})"
+        )
 
 
 def _index(device: DeviceLike = None, *, optional: bool = True) -> int:
@@ -92,6 +94,7 @@ def _index(device: DeviceLike = None, *, optional: bool = True) -> int:
 
 
 # ------------------------------------------------------------------ device
+
 
 def is_available() -> bool:
     return device_count() > 0
@@ -171,6 +174,7 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
 
 # ------------------------------------------------------------------ memory
 
+
 def memory_allocated(device: DeviceLike = None) -> int:
     return int(state().lib.nsim_memory(_index(device), 0))
 
@@ -213,6 +217,7 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------ RNG
+
 
 def manual_seed(seed: int) -> None:
     state().lib.nsim_manual_seed(current_device(), int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
@@ -265,6 +270,7 @@ def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
 
 
 # ------------------------------------------------------------------ streams
+
 
 class Stream(torch.Stream):
     """A Neuron stream; work in the simulator completes when it is queued."""

@@ -37,13 +37,10 @@ class SimState:
         num = env.get("NEURON_RT_NUM_CORES")
         if num is not None and num.strip() != "":
             if not num.strip().isdigit() or int(num) < 1:
-                raise ValueError(
-                    f"invalid NEURON_RT_NUM_CORES={num!r}: expected a positive number of cores"
-                )
+                raise ValueError(f"invalid NEURON_RT_NUM_CORES={num!r}: expected a positive number of cores")
             if int(num) > len(cores):
                 raise ValueError(
-                    f"NEURON_RT_NUM_CORES={num} asks for more cores than the {len(cores)} "
-                    f"visible ({cores})"
+                    f"NEURON_RT_NUM_CORES={num} asks for more cores than the {len(cores)} visible ({cores})"
                 )
             cores = cores[: int(num)]
         return cores

@@ -36,7 +36,7 @@ class _ShimLoader(importlib.abc.Loader):
 class ShimFinder(importlib.abc.MetaPathFinder):
     """Finds ``torch_neuronx`` as the simulator's stand-in."""
 
-    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001
+    def find_spec(self, fullname, path=None, target=None):
         if fullname != _NAME:
             return None
         return importlib.machinery.ModuleSpec(_NAME, _ShimLoader(), origin="accelerate_neuron simulator")
