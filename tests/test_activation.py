@@ -277,5 +277,40 @@ def test_status_reads_well() -> None:
     assert text.startswith("accelerate-neuron ")
     assert "Neuron device : simulated, 2 visible core(s) x 24.0 GiB" in text
     assert "state         : active" in text
-    assert "[on ] placement" in text
+    assert "plugins on    : placement, generation, training, launch" in text
     json.dumps(__import__("accelerate_neuron").status().as_dict())  # serialisable
+
+
+IMPORT_ORDER_PROBE = """
+import json, sys
+import accelerate_neuron
+import accelerate.utils
+import transformers.modeling_utils
+from accelerate_neuron import activation, status
+bindings = {}
+for mod, name in [("accelerate.utils", "get_max_memory"), ("accelerate.utils.modeling", "get_max_memory"),
+                  ("transformers.modeling_utils", "get_max_memory"),
+                  ("transformers.integrations.accelerate", "accelerate_max_memory")]:
+    obj = getattr(sys.modules.get(mod), name, None)
+    if obj is not None:
+        bindings[f"{mod}.{name}"] = getattr(obj, "__accelerate_neuron_patch__", None) is not None
+st = status()
+imported_pending = [p["target"] for p in st.patches
+                    if p["status"] == "pending" and activation.state().scheduled[p["key"]][1].module in sys.modules]
+print(json.dumps({"bindings": bindings, "imported_pending": imported_pending, "activated_by": st.activated_by,
+                  "max_memory": sorted(map(str, accelerate.utils.get_max_memory()))}))
+"""
+
+
+def test_transformers_imported_before_or_after_the_plugin_ends_patched() -> None:
+    before = "import torch, transformers, accelerate, accelerate.utils, transformers.modeling_utils\n"
+    early = last_json(
+        run_python(before + IMPORT_ORDER_PROBE, TORCH_DEVICE_BACKEND_AUTOLOAD="0", ACCELERATE_NEURON_SIMULATE="2").stdout
+    )
+    late = last_json(run_python("import torch\n" + IMPORT_ORDER_PROBE, ACCELERATE_NEURON_SIMULATE="2").stdout)
+    assert early["activated_by"] == "import accelerate_neuron"
+    assert late["activated_by"] == "import torch (torch.backends entry point)"
+    for result in (early, late):
+        assert result["imported_pending"] == []
+        assert len(result["bindings"]) >= 3 and all(result["bindings"].values()), result["bindings"]
+        assert result["max_memory"] == ["0", "1", "cpu"]

@@ -264,3 +264,19 @@ def test_module_to_keeps_parameters_and_tied_weights() -> None:
     model.to("neuron")
     assert model.lm_head.weight is head is model.model.embed_tokens.weight
     assert head.device == torch.device("neuron:0")
+
+
+def test_streams_and_events_are_synchronous() -> None:
+    stream = torch.neuron.current_stream()
+    assert stream.device.type == "neuron" and stream.query()
+    x = torch.ones(4, device="neuron")
+    x.record_stream(stream)  # DDP does this when it moves inputs: a no-op here
+    start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    start.record()
+    y = x * 2
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0 and torch.equal(y.cpu(), torch.full((4,), 2.0))
+    torch.neuron.synchronize()
+    assert isinstance(start, torch.neuron.Event) and isinstance(stream, torch.neuron.Stream)
+    assert not isinstance(torch.Event(device="cpu"), torch.neuron.Event)

@@ -11,7 +11,6 @@ import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -272,18 +271,35 @@ def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
 # ------------------------------------------------------------------ streams
 
 
-class Stream(torch.Stream):
+class _OnNeuron(type):
+    """``isinstance(x, torch.neuron.Event)``: a torch.Event/Stream on a neuron device.
+
+    Instances are plain ``torch.Stream`` / ``torch.Event`` objects: PyTorch's
+    C++ checks (e.g. ``Event.elapsed_time``) accept only those exact types.
+    """
+
+    _base: type
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, cls._base) and getattr(obj, "device", None) is not None and obj.device.type == "neuron"
+
+
+class Stream(metaclass=_OnNeuron):
     """A Neuron stream; work in the simulator completes when it is queued."""
 
-    def __new__(cls, device: DeviceLike = None, priority: int = 0, **kwargs: Any) -> Stream:
-        if "stream_id" in kwargs:
-            return super().__new__(cls, **kwargs)
-        return super().__new__(cls, device=torch.device("neuron", _index(device)), priority=priority)
+    _base = torch.Stream
+
+    def __new__(cls, device: DeviceLike = None, priority: int = 0) -> torch.Stream:  # type: ignore[misc]
+        return torch.Stream(device=torch.device("neuron", _index(device)), priority=priority)
 
 
-class Event(torch.Event):
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Event:
-        return super().__new__(cls, device=torch.device("neuron", current_device()), enable_timing=enable_timing)
+class Event(metaclass=_OnNeuron):
+    """A Neuron event (host timestamps in the simulator)."""
+
+    _base = torch.Event
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:  # type: ignore[misc]
+        return torch.Event(device=torch.device("neuron", current_device()), enable_timing=enable_timing)
 
 
 def current_stream(device: DeviceLike = None) -> torch.Stream:

@@ -237,6 +237,12 @@ bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& 
   return plain(self) && plain(from);
 }
 
+// All simulated work is synchronous: no stream can still be using a block.
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  (void)self;
+  (void)stream;
+}
+
 at::Tensor cpu_alias_op(const at::Tensor& self) {
   return cpu_alias(self);
 }
@@ -562,6 +568,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage", TORCH_FN(set_source_storage));
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_source_storage_offset));
   m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
+  m.impl("record_stream", TORCH_FN(record_stream));
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
