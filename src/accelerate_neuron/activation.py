@@ -76,10 +76,10 @@ def activate(source: str = "import accelerate_neuron") -> ActivationState:
 def _activate() -> None:
     if os.environ.get("ACCELERATE_NEURON_TEST_RAISE_IN_ACTIVATION"):
         raise RuntimeError("raised on request (ACCELERATE_NEURON_TEST_RAISE_IN_ACTIVATION)")
+    import torch  # noqa: F401 - already importing when called from the entry point
+
     from . import device
     from .plugins import disable_setting
-
-    import torch  # noqa: F401 - already importing when called from the entry point
 
     _load_real_backend()
     _maybe_simulate()
@@ -90,7 +90,9 @@ def _activate() -> None:
     setting = disable_setting()
     _guard_xla()
     if setting.all:
-        _state.inert_reason = f"{os.environ.get('ACCELERATE_NEURON_DISABLE')!r} in ACCELERATE_NEURON_DISABLE: no patch applied"
+        _state.inert_reason = (
+            f"{os.environ.get('ACCELERATE_NEURON_DISABLE')!r} in ACCELERATE_NEURON_DISABLE: no patch applied"
+        )
         return
     refresh_upstream_gates()
     _schedule_patches()
@@ -127,6 +129,9 @@ def _maybe_simulate() -> None:
     try:
         simulator.install(cores=int(value), hbm=os.environ.get(SIM_HBM_ENV) or simulator.DEFAULT_HBM)
         _state.actions.append(f"simulated Neuron device installed ({SIMULATE_ENV}={value})")
+        from .simulator import report  # `accelerate-neuron simulate`: per-process dry-run record at exit
+
+        report.install_from_env()
     except Exception as exc:
         logger.warning("accelerate_neuron: could not install the simulated Neuron device: %s", exc)
 

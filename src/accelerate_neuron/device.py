@@ -116,3 +116,83 @@ def core_memory(index: int) -> CoreMemory:
         free, total_info = mem_get_info(index)
         return CoreMemory(index, int(total_info), reserved, allocated, int(free), "mem_get_info")
     return CoreMemory(index, total, reserved, allocated, total - reserved, "total_memory - memory_reserved")
+
+
+def visible_cores() -> list[int]:
+    """Indices of the Neuron cores this process sees (``0..device_count()-1``)."""
+    return list(range(device_count()))
+
+
+def current_core() -> int:
+    """The core an index-less ``"neuron"`` means (``torch.neuron.current_device()``), 0 if unknown."""
+    module = neuron_module()
+    if module is None:
+        return 0
+    try:
+        return int(module.current_device())
+    except Exception as exc:
+        logger.debug("torch.neuron.current_device() raised %s", exc)
+        return 0
+
+
+def core_index(device: Any) -> int | None:
+    """The core index ``device`` names, or ``None`` if it does not name a Neuron core.
+
+    Accepts what users and upstream put in a ``device_map``: ``3``, ``"neuron"``,
+    ``"neuron:3"``, ``torch.device("neuron", 3)``. An index-less ``"neuron"``
+    means the current core, as in torch. Whether the index is visible is not
+    checked here. Negative ints are not Neuron cores (upstream uses -1 for CPU).
+    """
+    if isinstance(device, bool):
+        return None
+    if isinstance(device, int):
+        return device if device >= 0 and neuron_module() is not None else None
+    torch = _torch()
+    if torch is None or neuron_module() is None or not isinstance(device, (str, torch.device)):
+        return None
+    try:
+        parsed = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    if parsed.type != DEVICE_TYPE:
+        return None
+    return current_core() if parsed.index is None else int(parsed.index)
+
+
+def supports_bf16() -> bool:
+    """Whether the Neuron device computes in bfloat16 (``torch.neuron.is_bf16_supported()``).
+
+    Every NeuronCore generation torch-neuronx targets does; a build without the
+    function is taken at its word that bf16 is the native training type.
+    """
+    module = neuron_module()
+    if module is None or not is_available():
+        return False
+    probe = getattr(module, "is_bf16_supported", None)
+    if not callable(probe):
+        return True
+    try:
+        return bool(probe())
+    except Exception as exc:
+        logger.debug("torch.neuron.is_bf16_supported() raised %s", exc)
+        return False
+
+
+def set_current_core(index: int) -> None:
+    """Make visible core ``index`` the current Neuron device (initialises the runtime)."""
+    module = neuron_module()
+    if module is None:
+        raise RuntimeError("no Neuron device is registered in this process")
+    module.set_device(index)
+
+
+def runtime_initialized() -> bool:
+    """Whether this process's Neuron runtime has started: from then on its visible cores are fixed."""
+    module = neuron_module()
+    if module is None:
+        return False
+    try:
+        return bool(module.is_initialized())
+    except Exception as exc:
+        logger.debug("torch.neuron.is_initialized() raised %s", exc)
+        return False

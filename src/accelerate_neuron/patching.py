@@ -196,8 +196,14 @@ def _patch_alias(alias: str, original: Any, replacement: Any, record: PatchRecor
     module = sys.modules.get(module_name)
     if module is None:
         return
-    if getattr(module, attr, _MISSING) is original:
+    current = getattr(module, attr, _MISSING)
+    if current is original:
         setattr(module, attr, replacement)
+        record._undo.append((module, attr, original))
+        record.aliases.append(alias)
+    elif current is replacement:
+        # Imported after the patch (``from .x import f`` copied the replacement):
+        # nothing to bind, but revert must restore the original here too.
         record._undo.append((module, attr, original))
         record.aliases.append(alias)
 

@@ -62,6 +62,23 @@ def _compile_context() -> dict[str, Any]:
         return {"compile_id": None}
 
 
+def _frame_of(gm: torch.fx.GraphModule) -> dict[str, Any] | None:
+    """The Python frame Dynamo compiled (and the graph break that ended it), for dry-run reports."""
+    try:  # Dynamo's own note on the graph; not a public API, so the record goes without it if absent
+        reason = gm.compile_subgraph_reason
+        root, last = reason.user_stack[0], reason.user_stack[-1]
+        return {
+            "function": root.name,
+            "file": root.filename,
+            "line": root.lineno,
+            "graph_break": f"{last.filename}:{last.lineno}: {reason.reason.splitlines()[0]}"
+            if reason.graph_break
+            else None,
+        }
+    except Exception:
+        return None
+
+
 def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any]) -> Callable:
     def compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record = {
@@ -69,6 +86,7 @@ def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any]) -> Cal
             "dynamo_graph": dynamo_index,
             "compile_id": context.get("compile_id"),
             "dynamo_inputs": context.get("dynamo_inputs", []),
+            "frame": context.get("frame"),
             "inputs": [_describe(x) for x in example_inputs],
             "num_nodes": sum(1 for _ in gm.graph.nodes),
         }
@@ -99,6 +117,7 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **op
         dynamo_index = _dynamo_graphs
         _dynamo_graphs += 1
     context = _compile_context()
+    context["frame"] = _frame_of(gm)
     names = _input_names(gm)
     context["dynamo_inputs"] = [{"name": n, **_describe(x)} for n, x in zip(names, example_inputs, strict=False)]
     backend = aot_autograd(

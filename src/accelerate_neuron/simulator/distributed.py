@@ -3,10 +3,17 @@
 Collectives run through gloo on zero-copy CPU aliases of the device tensors,
 so results land in device memory as on hardware. What is modelled from the
 real ProcessGroupNeuron: it is registered for ``devices=["neuron"]``; creating
-it sets ``NEURON_RT_VISIBLE_CORES=$LOCAL_RANK`` when unset (one core per
-process); and it refuses to start when this process already initialised the
-Neuron runtime (touching the device before ``init_process_group`` breaks a
-torchrun job on Trainium).
+the first (world) group sets ``NEURON_RT_VISIBLE_CORES=$LOCAL_RANK`` when unset
+(one core per process), and refuses to start when this process already
+initialised the Neuron runtime (touching the device before
+``init_process_group`` breaks a torchrun job on Trainium); subgroups
+(``new_group``, DeviceMesh dimensions) come later and are not affected; a
+barrier on a core the process does not see is an error.
+
+The group is a Python ``ProcessGroup`` (c10d has no Python ``Backend``), so it
+implements every collective name torch calls on a group, and registers its
+gloo backend for ``neuron`` so that functional collectives (DTensor,
+DeviceMesh, FSDP2) find the group by name.
 
 Not modelled: collective performance, and the physical sharing of cores
 between processes (each process simulates its own cores).
@@ -50,7 +57,7 @@ class NeuronProcessGroup(torch.distributed.ProcessGroup):
         super().__init__(rank, world_size)
         self._inner = inner
 
-    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
     @property
@@ -61,79 +68,124 @@ class NeuronProcessGroup(torch.distributed.ProcessGroup):
         with torch.no_grad():
             return getattr(self._inner, name)(*(_host(a) for a in args))
 
-    def allreduce(self, tensors, opts=None):  # noqa: ANN001, ANN201
+    def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.AllreduceOptions()
         return self._call("allreduce", tensors, opts)
 
-    def allreduce_coalesced(self, tensors, opts=None):  # noqa: ANN001, ANN201
+    def allreduce_coalesced(self, tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.AllreduceCoalescedOptions()
         return self._call("allreduce_coalesced", tensors, opts)
 
-    def broadcast(self, tensors, opts=None):  # noqa: ANN001, ANN201
+    def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.BroadcastOptions()
         return self._call("broadcast", tensors, opts)
 
-    def allgather(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+    def allgather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.AllgatherOptions()
         return self._call("allgather", output_tensors, input_tensors, opts)
 
-    def _allgather_base(self, output, input, opts=None):  # noqa: A002, ANN001, ANN201
+    def _allgather_base(self, output, input, opts=None):
         opts = opts if opts is not None else torch.distributed.AllgatherOptions()
         return self._call("_allgather_base", output, input, opts)
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):  # noqa: ANN001, ANN201
-        opts = opts if opts is not None else torch.distributed.AllgatherOptions()
-        return self._call("allgather_into_tensor_coalesced", outputs, inputs, opts)
-
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.ReduceScatterOptions()
         return self._call("reduce_scatter", output_tensors, input_tensors, opts)
 
-    def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002, ANN001, ANN201
+    def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts if opts is not None else torch.distributed.ReduceScatterOptions()
         return self._call("_reduce_scatter_base", output, input, opts)
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):  # noqa: ANN001, ANN201
-        opts = opts if opts is not None else torch.distributed.ReduceScatterOptions()
-        return self._call("reduce_scatter_tensor_coalesced", outputs, inputs, opts)
-
-    def reduce(self, tensors, opts=None):  # noqa: ANN001, ANN201
+    def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.ReduceOptions()
         return self._call("reduce", tensors, opts)
 
-    def gather(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+    def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.GatherOptions()
         return self._call("gather", output_tensors, input_tensors, opts)
 
-    def scatter(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+    def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.ScatterOptions()
         return self._call("scatter", output_tensors, input_tensors, opts)
 
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002, ANN001, ANN201
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else torch.distributed.AllToAllOptions()
         return self._call("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts)
 
-    def alltoall(self, output_tensors, input_tensors, opts=None):  # noqa: ANN001, ANN201
+    def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.AllToAllOptions()
         return self._call("alltoall", output_tensors, input_tensors, opts)
 
-    def barrier(self, opts=None):  # noqa: ANN001, ANN201
+    def barrier(self, opts=None):
         opts = opts if opts is not None else torch.distributed.BarrierOptions()
+        device = getattr(opts, "device", None)
+        if device is not None and device.type == BACKEND_NAME:
+            # Like ProcessGroupNCCL, the barrier runs a collective on a tensor on
+            # opts.device: a core this process does not see is an error.
+            from .device_module import _index
+
+            _index(device)
         return self._inner.barrier(opts)
 
-    def send(self, tensors, dst, tag=0):  # noqa: ANN001, ANN201
+    def send(self, tensors, dst, tag=0):
         return self._call("send", tensors, dst, tag)
 
-    def recv(self, tensors, src, tag=0):  # noqa: ANN001, ANN201
+    def recv(self, tensors, src, tag=0):
         return self._call("recv", tensors, src, tag)
 
-    def recv_anysource(self, tensors, tag=0):  # noqa: ANN001, ANN201
+    def recv_anysource(self, tensors, tag=0):
         return self._call("recv_anysource", tensors, tag)
+
+    # torch >= 2.13 routes the tensor-in/tensor-out collectives through these
+    # names; the C++ defaults would dispatch to gloo with neuron tensors.
+    def all_gather_single(self, output, input, opts=None):
+        return self._allgather_base(output, input, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_base(output, input, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        opts = opts if opts is not None else torch.distributed.AllgatherOptions()
+        return self._call("allgather_coalesced", output_lists, input_list, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        # gloo has no coalesced form: run them one by one (the simulator is synchronous).
+        return self._each(self._allgather_base, outputs, inputs, opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self._each(self._allgather_base, outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._each(self._reduce_scatter_base, outputs, inputs, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self._each(self._reduce_scatter_base, outputs, inputs, opts)
+
+    @staticmethod
+    def _each(op: Any, outputs: list, inputs: list, opts: Any) -> Any:
+        work = None
+        for out, inp in zip(outputs, inputs, strict=True):
+            if work is not None:
+                work.wait()
+            work = op(out, inp, opts)
+        return work if work is not None else _completed_work(outputs)
+
+
+def _completed_work(result: Any) -> Any:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(result)
+    return torch._C._distributed_c10d._create_work_from_future(future)
 
 
 def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> NeuronProcessGroup:
     sim = state()
-    if sim.is_initialized():
+    # The rule concerns the first (world) group only: subgroups (new_group,
+    # DeviceMesh dimensions) are created once the device is in use.
+    first_group = not torch.distributed.is_initialized()
+    if first_group and sim.is_initialized():
         raise RuntimeAlreadyInitializedError(
             "ProcessGroupNeuron: the Neuron runtime of this process was initialised before "
             "init_process_group(backend='neuron') (simulated device, same rule as torch-neuronx). "
@@ -141,12 +193,16 @@ def _create(store: Any, rank: int, world_size: int, timeout: timedelta) -> Neuro
             "get_device_properties()) before the process group exists."
         )
     local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None and not os.environ.get("NEURON_RT_VISIBLE_CORES"):
+    if first_group and local_rank is not None and not os.environ.get("NEURON_RT_VISIBLE_CORES"):
         os.environ["NEURON_RT_VISIBLE_CORES"] = local_rank
         logger.debug("NEURON_RT_VISIBLE_CORES=%s set by the neuron process group", local_rank)
     sim.refresh()
     inner = torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
-    return NeuronProcessGroup(rank, world_size, inner)
+    group = NeuronProcessGroup(rank, world_size, inner)
+    # c10d keeps the group name on the registered backends; functional
+    # collectives (DTensor, DeviceMesh) resolve the group by that name.
+    group._register_backend(torch.device(BACKEND_NAME), torch.distributed.ProcessGroup.BackendType.CUSTOM, inner)
+    return group
 
 
 def register(_module: object = None) -> None:
@@ -156,3 +212,21 @@ def register(_module: object = None) -> None:
     if not dist.is_available() or BACKEND_NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, devices=[BACKEND_NAME])
+    from ..import_hooks import when_imported
+
+    when_imported("torch._dynamo", _hide_from_dynamo)
+
+
+def _hide_from_dynamo(_module: object = None) -> None:
+    """Run the collectives eagerly when called from code torch.compile is running.
+
+    The real ProcessGroupNeuron is C++; this one is Python, so Dynamo would try
+    to trace a collective that C++ calls back into (DDP's buffer broadcast
+    inside a compiled forward) and fail on the gloo object it holds.
+    """
+    if getattr(NeuronProcessGroup, "_hidden_from_dynamo", False):
+        return
+    for name, member in list(vars(NeuronProcessGroup).items()):
+        if callable(member) and not name.startswith("__") and not isinstance(member, staticmethod):
+            setattr(NeuronProcessGroup, name, torch.compiler.disable(member, recursive=True))
+    NeuronProcessGroup._hidden_from_dynamo = True

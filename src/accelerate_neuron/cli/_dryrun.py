@@ -1,0 +1,380 @@
+"""Turn the per-process records of a simulated run into one dry-run report (a plain dict).
+
+Each process of the run wrote ``process-<pid>.json``
+(:mod:`accelerate_neuron.simulator.report`). Here they are merged: where the
+models landed, memory per physical core, compiled graphs, recompile causes,
+eager signatures, transfers and the compile-time estimate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from . import _costs
+
+#: How many entries of each list the report keeps.
+TOP_CAUSES = 5
+TOP_OPS = 5
+MAX_GRAPHS_LISTED = 20
+
+_DTYPES = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float64": "f64",
+    "int64": "i64",
+    "int32": "i32",
+    "int16": "i16",
+    "int8": "i8",
+    "uint8": "u8",
+    "bool": "b8",
+}
+_WEIGHT = re.compile(r"\._(parameters|buffers)\[")
+
+
+def load_records(directory: Path) -> list[dict[str, Any]]:
+    """The records the run's processes wrote (unreadable ones are skipped)."""
+    records = []
+    for path in sorted(directory.glob("process-*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return records
+
+
+def used_device(record: dict[str, Any]) -> bool:
+    """Whether a process touched the device (a launcher parent does not)."""
+    st = record.get("stats", {})
+    return bool(
+        st.get("initialized")
+        or st.get("compiles")
+        or st.get("eager_ops")
+        or st.get("h2d_bytes")
+        or any(int(v) for v in st.get("max_memory_allocated", {}).values())
+    )
+
+
+def describe_tensor(desc: dict[str, Any]) -> str:
+    """``{"shape": [2, 4], "dtype": "float32"}`` -> ``f32[2,4]``; a symbolic int -> its value."""
+    if "shape" in desc:
+        dtype = _DTYPES.get(str(desc.get("dtype")), str(desc.get("dtype")))
+        return f"{dtype}[{','.join(str(s) for s in desc['shape'])}]"
+    if "value" in desc:
+        return f"int {desc['value']}"
+    return str(desc.get("type", "?"))
+
+
+def _physical(record: dict[str, Any], device: str) -> str:
+    """``neuron:0`` seen by a process with NEURON_RT_VISIBLE_CORES=3 -> ``core 3``."""
+    match = re.fullmatch(r"neuron:(\d+)", device)
+    if not match:
+        return device
+    visible = record.get("stats", {}).get("visible_cores") or []
+    index = int(match.group(1))
+    return f"core {visible[index]}" if index < len(visible) else f"core ?{index}"
+
+
+def _process_label(record: dict[str, Any]) -> str:
+    return f"rank {record['rank']}" if record.get("rank") is not None else f"pid {record.get('pid')}"
+
+
+def _placement(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for record in records:
+        for model in record.get("models", []):
+            out.append(
+                {
+                    "process": _process_label(record),
+                    "model": model["model"],
+                    "parameters": model.get("parameters", 0),
+                    "alive_at_exit": model.get("alive_at_exit", False),
+                    "bytes": {_physical(record, d): n for d, n in model.get("bytes", {}).items()},
+                    "placement": [[p, _physical(record, d)] for p, d in model.get("placement", [])],
+                    "placement_truncated": model.get("placement_truncated", 0),
+                }
+            )
+    return out
+
+
+def _memory(records: list[dict[str, Any]], hbm: int) -> dict[str, Any]:
+    peak: dict[int, int] = {}
+    at_exit: dict[int, int] = {}
+    users: dict[int, list[str]] = {}
+    for record in records:
+        st = record.get("stats", {})
+        visible = st.get("visible_cores") or []
+        for index_text, value in st.get("max_memory_allocated", {}).items():
+            index = int(index_text)
+            if index >= len(visible) or not int(value):
+                continue
+            core = int(visible[index])
+            peak[core] = peak.get(core, 0) + int(value)
+            at_exit[core] = at_exit.get(core, 0) + int(st.get("memory_allocated", {}).get(index_text, 0))
+            users.setdefault(core, []).append(_process_label(record))
+    cores = sorted(peak)
+    return {
+        "hbm_per_core": hbm,
+        "peak_per_core": {str(c): peak[c] for c in cores},
+        "at_exit_per_core": {str(c): at_exit[c] for c in cores},
+        "processes_per_core": {str(c): users[c] for c in cores},
+        "shared_cores": [c for c in cores if len(users[c]) > 1],
+        "over_budget_cores": [c for c in cores if peak[c] > hbm],
+    }
+
+
+def _dynamo_graphs(graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per Dynamo graph (its AOT forward/backward records share the inputs)."""
+    by_index: dict[Any, dict[str, Any]] = {}
+    for g in graphs:
+        entry = by_index.setdefault(
+            g.get("dynamo_graph"),
+            {
+                "compile_id": g.get("compile_id"),
+                "inputs": g.get("dynamo_inputs", []),
+                "function": function_label(g.get("frame")),
+                "frame_info": g.get("frame"),
+                "kinds": [],
+            },
+        )
+        entry["kinds"].append(g.get("kind"))
+    return list(by_index.values())
+
+
+def function_label(frame: dict[str, Any] | None) -> str | None:
+    """``new_forward (accelerate/hooks.py:186)``: the Python function a Dynamo frame compiled."""
+    if not frame:
+        return None
+    path = Path(str(frame.get("file", "?")))
+    short = "/".join(path.parts[-2:]) if len(path.parts) > 1 else str(path)
+    return f"{frame.get('function')} ({short}:{frame.get('line')})"
+
+
+def _frame(compile_id: str | None) -> tuple[str, int]:
+    """``"0/2"`` -> (``"0"``, 2); ``"!1/0/3"`` (compiled autograd) -> (``"!1/0"``, 3)."""
+    if not compile_id or "/" not in compile_id:
+        return (compile_id or "?", 0)
+    frame, _, attempt = compile_id.rpartition("/")
+    return frame, int(attempt) if attempt.isdigit() else 0
+
+
+def _changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(input name, old, new) for every input whose shape, dtype or value differs, or that came or went."""
+
+    def table(inputs: list[dict[str, Any]]) -> dict[str, str]:
+        # Symbolic sizes (``x.size()[0]``) follow the tensor they come from.
+        return {i["name"]: describe_tensor(i) for i in inputs if ".size()" not in str(i.get("name"))}
+
+    old, new = table(before), table(after)
+    changed = [(n, old[n], new[n]) for n in new if n in old and old[n] != new[n]]
+    changed += [(n, "absent", new[n]) for n in new if n not in old]
+    changed += [(n, old[n], "absent") for n in old if n not in new]
+    return changed
+
+
+_INDEX = re.compile(r"\d+")
+
+
+def _classify(changes: list[tuple[str, str, str]]) -> str:
+    """Why a frame compiled again.
+
+    ``module``: the same code ran for a module with other weights (one graph per module, e.g. a hook
+    around every layer); ``shape``: same inputs, new shapes; ``object``: the same code entered for
+    another object (``layers[0]`` -> ``layers[1]``); ``inputs``: other inputs; ``guard``: no input changed.
+    """
+    if not changes:
+        return "guard"
+    if any(_WEIGHT.search(name) for name, _, _ in changes):
+        return "module"
+    if all("absent" not in (old, new) for _, old, new in changes):
+        return "shape"
+    gone = sorted(_INDEX.sub("#", n) for n, _, new in changes if new == "absent")
+    came = sorted(_INDEX.sub("#", n) for n, old, _ in changes if old == "absent")
+    if gone and gone == came and all("absent" in (old, new) for _, old, new in changes):
+        return "object"
+    return "inputs"
+
+
+def recompile_causes(graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What changed between successive compiles of the same Dynamo frame, most frequent first."""
+    frames: dict[str, list[tuple[int, list[dict[str, Any]]]]] = {}
+    functions: dict[str, str | None] = {}
+    for entry in _dynamo_graphs(graphs):
+        frame, attempt = _frame(entry["compile_id"])
+        frames.setdefault(frame, []).append((attempt, entry["inputs"]))
+        functions.setdefault(frame, entry["function"])
+    causes: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for frame, attempts in frames.items():
+        attempts.sort(key=lambda a: a[0])
+        for (_, before), (_, after) in itertools.pairwise(attempts):
+            changes = _changes(before, after)
+            kind = _classify(changes)
+            # A shape change is told apart by input; other kinds are one cause per frame.
+            names = sorted({n for n, _, _ in changes}) if kind == "shape" else []
+            cause = causes.setdefault(
+                (frame, kind, tuple(names)),
+                {
+                    "frame": frame,
+                    "function": functions.get(frame),
+                    "kind": kind,
+                    "recompiles": 0,
+                    "compiles_of_frame": len(attempts),
+                    "inputs": [n for n, _, _ in changes],
+                    "values": {},
+                },
+            )
+            cause["recompiles"] += 1
+            for name, old, new in changes:
+                seq = cause["values"].setdefault(name, [])
+                for value in (old, new):
+                    if not seq or seq[-1] != value:
+                        seq.append(value)
+    ranked = sorted(causes.values(), key=lambda c: (-c["recompiles"], c["frame"]))
+    for cause in ranked:
+        for name, seq in cause["values"].items():
+            if len(seq) > 8:
+                cause["values"][name] = [*seq[:4], "...", *seq[-3:]]
+    return ranked
+
+
+def _merge_causes(per_process: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for causes in per_process:
+        for cause in causes:
+            key = (cause["frame"], cause["kind"], json.dumps(cause["values"], sort_keys=True))
+            if key in merged:
+                merged[key]["processes"] += 1
+                merged[key]["recompiles"] = max(merged[key]["recompiles"], cause["recompiles"])
+            else:
+                merged[key] = {**cause, "processes": 1}
+    return sorted(merged.values(), key=lambda c: (-c["recompiles"], -c["processes"], c["frame"]))[:TOP_CAUSES]
+
+
+def _graph_list(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Distinct compiled graphs (deduplicated across processes) with their non-weight inputs."""
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for record in records:
+        for g in record.get("stats", {}).get("graphs", []):
+            inputs = [i for i in g.get("dynamo_inputs", []) if not _WEIGHT.search(str(i.get("name", "")))]
+            weights = len(g.get("dynamo_inputs", [])) - len(inputs)
+            key = (g.get("kind"), g.get("compile_id"), tuple(describe_tensor(i) for i in g.get("inputs", [])))
+            if key in seen:
+                seen[key]["processes"] += 1
+                continue
+            seen[key] = {
+                "kind": g.get("kind"),
+                "compile_id": g.get("compile_id"),
+                "function": function_label(g.get("frame")),
+                "inputs": [{"name": i.get("name"), "shape": describe_tensor(i)} for i in inputs],
+                "weights": weights,
+                "graph_inputs": [describe_tensor(i) for i in g.get("inputs", [])],
+                "num_nodes": g.get("num_nodes"),
+                "processes": 1,
+            }
+    return list(seen.values()), len(seen)
+
+
+def _short_location(text: str) -> str:
+    """``/long/site-packages/accelerate/hooks.py:50: why`` -> ``accelerate/hooks.py:50: why``."""
+    match = re.match(r"^(.*?):(\d+): ", text)
+    if not match:
+        return text
+    parts = Path(match.group(1)).parts
+    return "/".join(parts[-2:]) + text[len(match.group(1)) :]
+
+
+def _graph_breaks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where Dynamo had to end a graph (each break splits the model into more NEFFs), most frequent first."""
+    counts: Counter[tuple[str | None, str]] = Counter()
+    for record in records:
+        for entry in _dynamo_graphs(record.get("stats", {}).get("graphs", [])):
+            graph_break = (entry.get("frame_info") or {}).get("graph_break")
+            if graph_break:
+                counts[(entry["function"], _short_location(graph_break))] += 1
+    return [
+        {"function": function, "where": where, "graphs": n} for (function, where), n in counts.most_common(TOP_CAUSES)
+    ]
+
+
+def _eager(records: list[dict[str, Any]]) -> dict[str, Any]:
+    distinct: set[str] = set()
+    for record in records:
+        distinct.update(record.get("stats", {}).get("eager_signature_list", []))
+    per_op = Counter(sig.split("(", 1)[0] for sig in distinct)
+    return {
+        "distinct_signatures": len(distinct),
+        "eager_ops": sum(int(r.get("stats", {}).get("eager_ops", 0)) for r in records),
+        "top_ops": [{"op": op, "signatures": n} for op, n in per_op.most_common(TOP_OPS)],
+    }
+
+
+def build_report(
+    records: list[dict[str, Any]],
+    *,
+    command: list[str],
+    exit_code: int,
+    cores: int,
+    hbm: int,
+    seconds_per_graph: float,
+    seconds_per_signature: float,
+) -> dict[str, Any]:
+    """The dry-run report of a simulated run from its processes' records."""
+    active = [r for r in records if used_device(r)]
+    processes = []
+    for r in active:
+        st = r.get("stats", {})
+        est = _costs.estimate(
+            int(st.get("compiles", 0)), int(st.get("eager_signatures", 0)), seconds_per_graph, seconds_per_signature
+        )
+        processes.append(
+            {
+                "process": _process_label(r),
+                "pid": r.get("pid"),
+                "rank": r.get("rank"),
+                "local_rank": r.get("local_rank"),
+                "visible_cores": st.get("visible_cores", []),
+                "compiles": int(st.get("compiles", 0)),
+                "dynamo_graphs": int(st.get("dynamo_graphs", 0)),
+                "eager_signatures": int(st.get("eager_signatures", 0)),
+                "h2d_bytes": int(st.get("h2d_bytes", 0)),
+                "d2h_bytes": int(st.get("d2h_bytes", 0)),
+                "d2d_bytes": int(st.get("d2d_bytes", 0)),
+                "estimated_compile_seconds": est["seconds"],
+            }
+        )
+    graphs, distinct_graphs = _graph_list(active)
+    slowest = max(processes, key=lambda p: p["estimated_compile_seconds"], default=None)
+    estimate = _costs.estimate(
+        slowest["compiles"] if slowest else 0,
+        slowest["eager_signatures"] if slowest else 0,
+        seconds_per_graph,
+        seconds_per_signature,
+    )
+    estimate["process"] = slowest["process"] if slowest else None
+    return {
+        "command": command,
+        "exit_code": exit_code,
+        "simulated_cores": cores,
+        "hbm_per_core": hbm,
+        "processes_started": len(records),
+        "processes_using_device": len(active),
+        "processes": processes,
+        "placement": _placement(active),
+        "memory": _memory(active, hbm),
+        "compiles": sum(p["compiles"] for p in processes),
+        "distinct_graphs": distinct_graphs,
+        "graphs": graphs[:MAX_GRAPHS_LISTED],
+        "graphs_truncated": max(0, len(graphs) - MAX_GRAPHS_LISTED),
+        "eager": _eager(active),
+        "h2d_bytes": sum(p["h2d_bytes"] for p in processes),
+        "d2h_bytes": sum(p["d2h_bytes"] for p in processes),
+        "d2d_bytes": sum(p["d2d_bytes"] for p in processes),
+        "estimate": estimate,
+        "graph_breaks": _graph_breaks(active),
+        "recompile_causes": _merge_causes([recompile_causes(r.get("stats", {}).get("graphs", [])) for r in active]),
+    }

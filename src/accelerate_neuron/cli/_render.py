@@ -1,0 +1,177 @@
+"""Text rendering of the dry-run report and of model placement (shared by ``simulate`` and ``demo``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _costs
+from ._common import duration, plural, size
+
+MAX_PLACEMENT_LINES = 12
+
+
+def placement_lines(model: dict[str, Any], indent: str = "    ") -> list[str]:
+    """Bytes per device, then which modules are where (``model.layers.0-11  core 0``)."""
+    lines = []
+    total = sum(model.get("bytes", {}).values())
+    for device, n in model.get("bytes", {}).items():
+        share = f" ({100 * n / total:.0f}%)" if total and len(model["bytes"]) > 1 else ""
+        lines.append(f"{indent}{device:<10} {size(n)}{share}")
+    entries = model.get("placement", [])
+    if len(entries) > 1:
+        width = min(48, max(len(p) for p, _ in entries))
+        shown = entries[:MAX_PLACEMENT_LINES]
+        lines.extend(f"{indent}  {p:<{width}}  {d}" for p, d in shown)
+        hidden = len(entries) - len(shown) + model.get("placement_truncated", 0)
+        if hidden:
+            lines.append(f"{indent}  ... {hidden} more")
+    elif entries:
+        lines.append(f"{indent}  the whole model is on {entries[0][1]}")
+    return lines
+
+
+def _section(title: str) -> list[str]:
+    return ["", title]
+
+
+def _placement(report: dict[str, Any]) -> list[str]:
+    lines = _section("Where the model landed")
+    models = report["placement"]
+    if not models:
+        lines.append("  no model with weights was seen (models are tracked from `import torch` on)")
+        return lines
+    for model in models:
+        alive = "" if model["alive_at_exit"] else ", as it was when freed"
+        lines.append(f"  {model['model']} ({model['process']}, {model['parameters']:,} parameters{alive})")
+        lines.extend(placement_lines(model))
+    return lines
+
+
+def _memory(report: dict[str, Any]) -> list[str]:
+    mem = report["memory"]
+    lines = _section(f"Memory per core (peak / at exit, of {size(mem['hbm_per_core'])} HBM)")
+    if not mem["peak_per_core"]:
+        lines.append("  no device memory was used")
+    for core, peak in mem["peak_per_core"].items():
+        who = ", ".join(mem["processes_per_core"][core])
+        lines.append(f"  core {core:<3} {size(peak):>10} / {size(mem['at_exit_per_core'][core]):>10}   {who}")
+    for core in mem["shared_cores"]:
+        lines.append(
+            f"  ! core {core} is used by {len(mem['processes_per_core'][str(core)])} processes: on Trainium a "
+            "NeuronCore belongs to one process. Leave NEURON_RT_VISIBLE_CORES unset under torchrun/accelerate "
+            "launch (each rank then gets the core of its LOCAL_RANK)."
+        )
+    for core in mem["over_budget_cores"]:
+        lines.append(
+            f"  ! core {core} needed more than its {size(mem['hbm_per_core'])}: this run would OOM on Trainium"
+        )
+    return lines
+
+
+def _graphs(report: dict[str, Any]) -> list[str]:
+    lines = _section(
+        f"Compiled graphs: {report['compiles']} (one NEFF each; {report['distinct_graphs']} distinct across processes)"
+    )
+    for g in report["graphs"]:
+        names = ", ".join(f"{i['name']}: {i['shape']}" for i in g["inputs"]) or "no inputs besides weights"
+        weights = f" + {plural(g['weights'], 'weight')}" if g["weights"] else ""
+        shared = f"  [x{g['processes']} processes]" if g["processes"] > 1 else ""
+        where = f" {g['function']}" if g.get("function") else ""
+        lines.append(f"  {g['kind']:<9} frame {g['compile_id']}{where}: {names}{weights}{shared}")
+    if report["graphs_truncated"]:
+        lines.append(f"  ... {report['graphs_truncated']} more")
+    return lines
+
+
+def _eager(report: dict[str, Any]) -> list[str]:
+    eager = report["eager"]
+    lines = _section(
+        f"Eager signatures: {eager['distinct_signatures']} distinct (op, shapes, dtypes), "
+        f"{eager['eager_ops']:,} eager op calls"
+    )
+    if eager["top_ops"]:
+        lines.append("  most shapes: " + ", ".join(f"{o['op']} x{o['signatures']}" for o in eager["top_ops"]))
+    return lines
+
+
+_KIND_TEXT = {
+    "module": "the same code ran for another module, with other weights (one graph per module)",
+    "shape": "input shapes changed",
+    "object": "the same code ran for another object (one graph per object)",
+    "inputs": "the frame's inputs changed",
+    "guard": "no input changed: a guard on something else failed (a Python value, a global, an attribute)",
+}
+MAX_INPUTS_PER_CAUSE = 3
+
+
+def _causes(report: dict[str, Any]) -> list[str]:
+    causes = report["recompile_causes"]
+    lines = _section("Top causes of recompiles")
+    if not causes:
+        lines.append("  none: every compiled frame was compiled once")
+        return lines
+    for cause in causes:
+        procs = f", in {cause['processes']} processes" if cause["processes"] > 1 else ""
+        function = f" {cause['function']}" if cause.get("function") else ""
+        lines.append(
+            f"  frame {cause['frame']}{function}, {cause['compiles_of_frame']} compiles: "
+            f"{plural(cause['recompiles'], 'recompile')}, {_KIND_TEXT[cause['kind']]}{procs}"
+        )
+        values = list(cause["values"].items())
+        for name, seq in values[:MAX_INPUTS_PER_CAUSE]:
+            lines.append(f"    {name}: {' -> '.join(seq)}")
+        if len(values) > MAX_INPUTS_PER_CAUSE:
+            lines.append(f"    ... {len(values) - MAX_INPUTS_PER_CAUSE} more input(s)")
+    lines.append(
+        "  Each new shape is a new NEFF on Neuron: pad to fixed lengths or buckets, use a static KV cache, "
+        "keep growing tensors off the compiled graph."
+    )
+    return lines
+
+
+def _breaks(report: dict[str, Any]) -> list[str]:
+    breaks = report.get("graph_breaks") or []
+    if not breaks:
+        return []
+    lines = _section("Graph breaks (each splits the code into one more compiled graph)")
+    for b in breaks:
+        lines.append(f"  {b['graphs']} x in {b['function'] or '?'}")
+        lines.append(f"    {b['where']}")
+    return lines
+
+
+def _estimate(report: dict[str, Any]) -> list[str]:
+    est = report["estimate"]
+    who = f" ({est['process']}; processes compile in parallel)" if report["processes_using_device"] > 1 else ""
+    return [
+        *_section("Estimated first-run compile time on Trainium"),
+        f"  ~{duration(est['seconds'])}{who}",
+        f"  assumes {_costs.describe(est)} (change with --compile-seconds / --eager-seconds);"
+        " later runs hit the NEFF cache",
+    ]
+
+
+def render_dryrun(report: dict[str, Any]) -> str:
+    """The human-readable dry-run report."""
+    started, used = report["processes_started"], report["processes_using_device"]
+    lines = [
+        "=" * 78,
+        f"accelerate-neuron dry run on a simulated Neuron device: {plural(report['simulated_cores'], 'core')} x "
+        f"{size(report['hbm_per_core'])} (no Trainium was used)",
+        f"command: {' '.join(report['command'])}",
+        f"exit code {report['exit_code']}; {plural(started, 'Python process', 'Python processes')} imported torch, "
+        f"{used} used the device",
+    ]
+    if not started:
+        lines.append(
+            "  no process reported: the command started no Python process that imports torch with "
+            "accelerate-neuron installed (or it was killed before it could exit)"
+        )
+        return "\n".join(lines)
+    lines += _placement(report) + _memory(report) + _graphs(report) + _eager(report)
+    lines += _section(
+        f"Transfers: host->device {size(report['h2d_bytes'])}, device->host {size(report['d2h_bytes'])}, "
+        f"device->device {size(report['d2d_bytes'])}"
+    )
+    lines += _causes(report) + _breaks(report) + _estimate(report)
+    return "\n".join(lines)

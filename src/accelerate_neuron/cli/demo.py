@@ -1,0 +1,300 @@
+"""``accelerate-neuron demo``: the main job, stock Hugging Face calls, on Trainium or the simulated device.
+
+What runs is exactly what a user's script would do::
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, device_map="auto")
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    output = model.generate(**inputs, max_new_tokens=n, do_sample=False)
+
+and then it reports what actually happened: where the weights are, the text,
+tokens/s and what was compiled. Nothing is faked: if the model stayed on the
+CPU, the report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from . import _costs
+from ._common import CliError, Progress, core_count, duration, memory_size, plural, positive_int, print_json, size
+from ._render import placement_lines
+
+DEFAULT_PROMPT = "the neuron core"
+DEFAULT_NEW_TOKENS = 16
+#: One simulated core: the toy model fits, and the demo stays quick. --cores 4 models a whole
+#: trn2 chip (LNC=2), over which device_map="auto" spreads the layers.
+DEFAULT_CORES = 1
+DEFAULT_HBM = "24GiB"
+
+DESCRIPTION = """\
+Load a small causal LM with from_pretrained(device_map="auto"), generate from
+a prompt with model.generate(), and print where the weights landed, the text,
+tokens/s and the compile figures. On a Trainium host it runs on the Neuron
+cores; anywhere else on the simulated Neuron device (and says so).
+
+Without --model it uses an embedded toy Qwen3 (built offline on the first run,
+then cached). The first run on a machine also builds the simulated device (a
+small C++ library, once per torch version). Progress goes to stderr."""
+
+EPILOG = """\
+examples:
+  accelerate-neuron demo
+  accelerate-neuron demo --prompt "a static cache" --max-new-tokens 16
+  accelerate-neuron demo --model ./my-local-llm --json"""
+
+
+def _model_folder(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder; expected a local model folder with config.json")
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no config.json; expected a folder written by save_pretrained() (no hub downloads here)"
+        )
+    return path
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="start here: load a small LM with device_map='auto' and generate (Trainium or simulated)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", type=_model_folder, metavar="PATH", help="a local model folder (default: the toy model)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"the prompt (default {DEFAULT_PROMPT!r})")
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=DEFAULT_NEW_TOKENS,
+        metavar="N",
+        help=f"tokens to generate (default {DEFAULT_NEW_TOKENS})",
+    )
+    p.add_argument(
+        "--cores",
+        type=core_count,
+        default=DEFAULT_CORES,
+        metavar="N",
+        help=f"simulated cores when there is no Trainium (default {DEFAULT_CORES}; 4 = one trn2 chip at LNC=2)",
+    )
+    p.add_argument(
+        "--hbm",
+        type=memory_size,
+        default=DEFAULT_HBM,
+        metavar="SIZE",
+        help=f"simulated memory per core (default {DEFAULT_HBM})",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line (stdout) instead of text")
+    p.set_defaults(run=run, parser=p)
+
+
+def _device(args: argparse.Namespace, progress: Progress) -> str:
+    """``"real"`` or ``"simulated"``: Trainium if present, else the simulator (installed here if needed)."""
+    from .. import device, simulator
+
+    kind = device.kind()
+    if kind == "real":
+        progress.note(f"running on Trainium: {device.device_count()} Neuron core(s)")
+        return kind
+    if kind == "simulated":
+        progress.note("no Trainium here: using the simulated Neuron device from ACCELERATE_NEURON_SIMULATE")
+        return kind
+    with progress.step(
+        f"no Trainium here: starting a simulated Neuron device ({plural(args.cores, 'core')} x {args.hbm})"
+    ):
+        try:
+            simulator.install(cores=args.cores, hbm=args.hbm)
+        except Exception as exc:
+            raise CliError(f"cannot start the simulated Neuron device: {exc}") from exc
+    return "simulated"
+
+
+class _Counters:
+    """What the device paid since the last reset: the simulator's counters, and Dynamo's graphs on any device."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._dynamo = 0
+
+    def reset(self) -> None:
+        if self.kind == "simulated":
+            from .. import simulator
+
+            simulator.reset_stats()
+        self._dynamo = self._dynamo_graphs()
+
+    @staticmethod
+    def _dynamo_graphs() -> int:
+        try:
+            from torch._dynamo.utils import counters
+
+            return int(counters["stats"]["unique_graphs"])
+        except Exception:
+            return 0
+
+    def read(self) -> dict[str, Any]:
+        """Cumulative since :meth:`reset` (eager signatures as a set: a repeat is not a new compile)."""
+        out: dict[str, Any] = {"dynamo_graphs": self._dynamo_graphs() - self._dynamo}
+        if self.kind == "simulated":
+            from .. import simulator
+
+            st = simulator.stats()
+            out.update({k: st[k] for k in ("compiles", "eager_signatures", "h2d_bytes", "d2h_bytes", "d2d_bytes")})
+            out["signatures"] = set(st["eager_signature_list"])
+        return out
+
+
+def _delta(later: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
+    """What the second generate() added on top of the first."""
+    out = {k: later[k] - earlier[k] for k in later if k != "signatures"}
+    if "signatures" in later:
+        out["eager_signatures"] = len(later["signatures"] - earlier["signatures"])
+    return out
+
+
+def _public(counts: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in counts.items() if k != "signatures"}
+
+
+def _generate(model: Any, inputs: Any, n: int) -> tuple[Any, float]:
+    started = time.perf_counter()
+    output = model.generate(**inputs, max_new_tokens=n, do_sample=False)
+    return output, time.perf_counter() - started
+
+
+def _run_job(args: argparse.Namespace, kind: str, path: Path, progress: Progress) -> dict[str, Any]:
+    from ..simulator.report import summarize_module
+
+    with progress.step("importing transformers"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our step lines say what is happening
+    counters = _Counters(kind)
+    counters.reset()
+    with progress.step(f'loading {path.name} with from_pretrained(device_map="auto")'):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, device_map="auto")
+    load = counters.read()
+    placement = summarize_module(model)
+    inputs = tokenizer(args.prompt, return_tensors="pt").to(model.device)
+    prompt_tokens = int(inputs["input_ids"].shape[-1])
+    counters.reset()
+    with progress.step(f"generating {args.max_new_tokens} tokens (first call: compiles)"):
+        output, first_seconds = _generate(model, inputs, args.max_new_tokens)
+    first = counters.read()
+    with progress.step(f"generating {args.max_new_tokens} tokens again (what was compiled is reused)"):
+        output, seconds = _generate(model, inputs, args.max_new_tokens)
+    second = _delta(counters.read(), first)
+    new_tokens = int(output.shape[-1]) - prompt_tokens
+    return {
+        "model": type(model).__name__,
+        "model_path": str(path),
+        "parameters": placement["parameters"],
+        "model_device": str(model.device),
+        "hf_device_map": {k: str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()},
+        "placement": placement,
+        "prompt": args.prompt,
+        "prompt_tokens": prompt_tokens,
+        "text": tokenizer.decode(output[0], skip_special_tokens=True),
+        "output_device": str(output.device),
+        "new_tokens": new_tokens,
+        "first_generate_seconds": first_seconds,
+        "generate_seconds": seconds,
+        "tokens_per_second": new_tokens / seconds if seconds > 0 else None,
+        "load": _public(load),
+        "first_generate": _public(first),
+        "second_generate": second,
+    }
+
+
+def _applied_patches() -> list[dict[str, str]]:
+    import accelerate_neuron
+
+    return [{"target": p["target"], "plugin": p["plugin"]} for p in accelerate_neuron.status().applied()]
+
+
+def _render(result: dict[str, Any]) -> str:
+    if result["device"] == "simulated":
+        where = (
+            f"a simulated Neuron device ({plural(result['cores'], 'core')} x {size(result['hbm_per_core'])}; "
+            "no Trainium found, the CPU stands in)"
+        )
+    else:
+        where = f"Trainium ({result['cores']} Neuron cores)"
+    lines = [f"accelerate-neuron demo on {where}", ""]
+    lines.append(f"model       {result['model']}, {result['parameters']:,} parameters, from {result['model_path']}")
+    on_neuron = any(d.startswith("neuron") for d in result["placement"]["bytes"])
+    verdict = "" if on_neuron else "  (nothing landed on Neuron: device_map='auto' kept every weight on the CPU)"
+    lines.append(f'placement   from_pretrained(device_map="auto") put the weights on:{verdict}')
+    lines.extend(placement_lines(result["placement"], indent="    "))
+    lines.append(f"prompt      {result['prompt']!r}")
+    lines.append(f"output      {result['text']!r}")
+    speed = result["tokens_per_second"]
+    lines.append(
+        f"speed       {result['new_tokens']} new tokens in {result['generate_seconds']:.2f} s = {speed:.1f} tokens/s "
+        f"(second call; the first took {result['first_generate_seconds']:.2f} s)"
+    )
+    if result["device"] == "simulated":
+        lines.append("            simulated device: this is CPU speed, not Trainium's")
+    first, second = result["first_generate"], result["second_generate"]
+    if result["device"] == "simulated":
+        lines.append(
+            f'compiles    first call: {plural(first["compiles"], "graph")} compiled with the "neuron" backend, '
+            f"{plural(first['eager_signatures'], 'eager op signature')}; second call: {second['compiles']} new "
+            f"graph(s), {second['eager_signatures']} new signature(s)"
+        )
+        est = result["estimate"]
+        lines.append(
+            f"            on Trainium that would be ~{duration(est['seconds'])} of compiling: {_costs.describe(est)}"
+        )
+        lines.append(
+            f"transfers   load: host->device {size(result['load']['h2d_bytes'])}; first generate: host->device "
+            f"{size(first['h2d_bytes'])}, device->host {size(first['d2h_bytes'])}"
+        )
+    else:
+        lines.append(
+            f"compiles    first call: {first['dynamo_graphs']} Dynamo graph(s); second call: {second['dynamo_graphs']}"
+        )
+    per_plugin = Counter(p["plugin"] for p in result["patches_applied"])
+    detail = ", ".join(f"{plugin} {n}" for plugin, n in per_plugin.items())
+    lines.append(
+        f"patches     {sum(per_plugin.values())} applied ({detail or 'none'}); `accelerate-neuron env -v` lists them"
+    )
+    if result["device"] == "simulated":
+        lines += [
+            "",
+            "next        accelerate-neuron demo --cores 4   (a whole trn2 chip: device_map='auto' spreads the layers)",
+            "            accelerate-neuron simulate -- python your_script.py   (dry-run your own script)",
+        ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import device
+    from . import _demo_model
+
+    progress = Progress(enabled=True)
+    kind = _device(args, progress)
+    path = args.model or _demo_model.ensure(progress)
+    result = {"device": kind, "cores": device.device_count()}
+    if kind == "simulated":
+        from ..simulator.runtime import state
+
+        result["hbm_per_core"] = state().hbm_bytes
+    result.update(_run_job(args, kind, path, progress))
+    if kind == "simulated":
+        first = result["first_generate"]
+        result["estimate"] = _costs.estimate(first["compiles"], first["eager_signatures"])
+    result["patches_applied"] = _applied_patches()
+    if args.json:
+        print_json(result)
+    else:
+        print(_render(result))
+    return 0

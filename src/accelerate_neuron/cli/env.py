@@ -1,0 +1,364 @@
+"""``accelerate-neuron env``: what is installed, what the device looks like, and what is misconfigured."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import sys
+from collections import Counter
+from typing import Any
+
+from . import _checks
+from ._common import Progress, print_json, size
+
+DESCRIPTION = """\
+Print versions (torch, torch-neuronx or "simulated", transformers, accelerate,
+accelerate-neuron), the Neuron cores this process sees and their memory, the
+LNC and NEURON_RT_* settings, the compile cache, which accelerate-neuron
+plugins and patches are active (and why any was skipped), and the
+misconfigurations found, each with its fix.
+
+Reading the memory of each core initialises the Neuron runtime of this
+process (as torch.neuron.get_device_properties() does); --no-init skips it.
+The exit code is 1 when an error-level problem was found, else 0."""
+
+EPILOG = """\
+examples:
+  accelerate-neuron env
+  accelerate-neuron env --json | jq .problems
+  ACCELERATE_NEURON_SIMULATE=4 accelerate-neuron env   # as a simulated trn2 chip would look"""
+
+#: Settings always shown (with what "unset" means); other NEURON_* variables are shown when set.
+KEY_SETTINGS = {
+    "NEURON_LOGICAL_NC_CONFIG": "unset (trn2 default: LNC=2)",
+    "NEURON_RT_VISIBLE_CORES": "unset (all cores)",
+    "NEURON_RT_NUM_CORES": "unset",
+    "TORCH_NEURONX_NEFF_CACHE_DIR": "unset (torch-neuronx's default NEFF cache)",
+    "TORCH_NEURONX_DEBUG_DIR": "unset (/tmp/neuron_backend)",
+    "HF_DEACTIVATE_ASYNC_LOAD": "unset",
+}
+_SHOWN_PREFIXES = ("NEURON_", "TORCH_NEURONX_", "ACCELERATE_NEURON_")
+_STATE_ORDER = ("applied", "skipped", "absent", "pending", "reverted")
+_SHOWN_NAMES = ("USE_TORCH_XLA", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "env",
+        help="check the environment: versions, Neuron cores, settings, patches, misconfigurations",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (stdout) instead of text")
+    p.add_argument(
+        "--no-init", action="store_true", help="do not initialise the Neuron runtime (no per-core memory figures)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="list every applied patch and why it exists")
+    p.set_defaults(run=run, parser=p)
+
+
+# ------------------------------------------------------------------ facts
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _probe_torch_neuronx(kind: str | None) -> dict[str, Any]:
+    """Is a torch_neuronx installed, and does it import? (Never re-imports a working one.)"""
+    spec = importlib.machinery.PathFinder.find_spec("torch_neuronx")
+    probe: dict[str, Any] = {"installed": spec is not None, "version": _dist_version("torch-neuronx")}
+    if spec is None:
+        return probe
+    probe["location"] = spec.origin
+    if kind == "real":
+        probe["importable"] = True
+        return probe
+    loaded = sys.modules.get("torch_neuronx")
+    if loaded is not None and not getattr(loaded, "SIMULATED", False):
+        probe["importable"] = True
+        return probe
+    try:
+        # A private module object: the simulator's stand-in stays what `import torch_neuronx` gives.
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        probe["importable"] = True
+    except Exception as exc:
+        probe["importable"] = False
+        probe["error"] = f"{type(exc).__name__}: {exc}"
+    return probe
+
+
+def _versions(kind: str | None, probe: dict[str, Any]) -> dict[str, str | None]:
+    import torch
+
+    from .. import __version__
+
+    if kind == "simulated":
+        neuronx = "simulated"
+        if probe.get("importable") is False:
+            installed = " ".join(filter(None, ["the installed torch-neuronx", probe.get("version")]))
+            neuronx += f" ({installed} cannot be imported)"
+    elif probe.get("installed"):
+        neuronx = probe.get("version") or "installed (version unknown)"
+        if probe.get("importable") is False:
+            neuronx += " (cannot be imported)"
+    else:
+        neuronx = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch-neuronx": neuronx,
+        "transformers": _dist_version("transformers"),
+        "accelerate": _dist_version("accelerate"),
+        "accelerate-neuron": __version__,
+        "torch-xla": _dist_version("torch-xla") or _dist_version("torch_xla"),
+        "neuronx-cc": _dist_version("neuronx-cc"),
+    }
+
+
+def _device(kind: str | None, init: bool) -> dict[str, Any]:
+    import torch
+
+    from .. import device
+
+    info: dict[str, Any] = {
+        "kind": kind,
+        "privateuse1": torch._C._get_privateuse1_backend_name(),
+        "visible_cores": device.device_count(),
+        "runtime_initialised_by_env": False,
+        "cores": [],
+    }
+    if kind is None or not init:
+        return info
+    try:
+        for index in range(info["visible_cores"]):
+            mem = device.core_memory(index)
+            info["cores"].append(
+                {"index": index, "total": mem.total, "free": mem.free, "allocated": mem.allocated, "source": mem.source}
+            )
+        info["runtime_initialised_by_env"] = True
+    except Exception as exc:  # a broken runtime is a finding, not a crash
+        info["error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def _settings() -> dict[str, str | None]:
+    shown = {name: os.environ.get(name) for name in KEY_SETTINGS}
+    for name, value in sorted(os.environ.items()):
+        if name.startswith(_SHOWN_PREFIXES) or name in _SHOWN_NAMES:
+            shown.setdefault(name, value)
+    return shown
+
+
+def _cache(kind: str | None) -> dict[str, Any]:
+    cache = {
+        "neff_cache_dir": os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR"),
+        "debug_dir": os.environ.get("TORCH_NEURONX_DEBUG_DIR") or "/tmp/neuron_backend",
+    }
+    if kind == "simulated":
+        from ..simulator._build import cache_dir
+
+        cache["simulator_build_cache"] = str(cache_dir())
+    return cache
+
+
+def _apply_pending_patches(progress: Progress) -> tuple[set[str], list[str]]:
+    """Import the modules scheduled patches wait for, so the report shows applied/skipped, not pending.
+
+    Returns (modules absent from this release, import failures).
+    """
+    from ..activation import state
+
+    modules = sorted({patch.module for _plugin, patch in state().scheduled.values()} - set(sys.modules))
+    absent, failed = set(), []
+    if modules:
+        with progress.step(f"checking {len(modules)} module(s) of transformers/accelerate against the patches"):
+            for name in modules:
+                try:
+                    importlib.import_module(name)
+                except ModuleNotFoundError as exc:
+                    if exc.name == name:
+                        absent.add(name)
+                    else:
+                        failed.append(f"{name}: {type(exc).__name__}: {exc}")
+                except Exception as exc:
+                    failed.append(f"{name}: {type(exc).__name__}: {exc}")
+    return absent, failed
+
+
+def _status(absent: set[str]) -> dict[str, Any]:
+    """``status()`` as a dict, patches waiting for a module this release lacks marked as such."""
+    import accelerate_neuron
+
+    from ..activation import state
+
+    status = accelerate_neuron.status().as_dict()
+    module_of = {key: patch.module for key, (_plugin, patch) in state().scheduled.items()}
+    for patch in status["patches"]:
+        module = module_of.get(patch["key"])
+        if patch["status"] == "pending" and module in absent:
+            patch["status"] = "absent"
+            patch["detail"] = f"{module} does not exist in this release: nothing to patch"
+    return status
+
+
+def _transformers_async_load() -> bool:
+    """Whether the installed transformers loads asynchronously unless HF_DEACTIVATE_ASYNC_LOAD is set."""
+    try:
+        dist = importlib.metadata.distribution("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    for relative in ("transformers/core_model_loading.py", "transformers/modeling_utils.py"):
+        try:
+            if "HF_DEACTIVATE_ASYNC_LOAD" in dist.locate_file(relative).read_text(encoding="utf-8"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _launch_config() -> dict[str, Any] | None:
+    """``num_processes`` / ``mixed_precision`` of Accelerate's default config file, if there is one."""
+    try:
+        from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    except Exception:
+        return None
+    if not os.path.isfile(default_config_file):
+        return None
+    try:
+        config = load_config_from_file(default_config_file)
+    except Exception as exc:
+        return {"source": default_config_file, "error": f"{type(exc).__name__}: {exc}"}
+    precision = getattr(config, "mixed_precision", None)
+    return {
+        "source": default_config_file,
+        "num_processes": getattr(config, "num_processes", None),
+        "mixed_precision": getattr(precision, "value", precision),
+    }
+
+
+def collect(init: bool = True, progress: Progress | None = None) -> dict[str, Any]:
+    """Every fact ``env`` reports, and the problems found in them."""
+    from .. import device
+
+    progress = progress or Progress(False)
+    kind = device.kind()
+    probe = _probe_torch_neuronx(kind)
+    absent, import_failures = _apply_pending_patches(progress)
+    facts: dict[str, Any] = {
+        "versions": _versions(kind, probe),
+        "torch_neuronx": probe,
+        "device": _device(kind, init),
+        "settings": _settings(),
+        "compile_cache": _cache(kind),
+        "launch": _launch_config(),
+        "transformers_async_load": _transformers_async_load(),
+        "status": _status(absent),
+        "import_failures": import_failures,
+    }
+    facts["problems"] = _checks.find_problems(facts)
+    return facts
+
+
+# ------------------------------------------------------------------ text
+
+
+def _device_lines(facts: dict[str, Any]) -> list[str]:
+    dev = facts["device"]
+    if dev["kind"] is None:
+        return [
+            "Neuron device      none: accelerate-neuron is inert here (nothing is patched)",
+            "                   try `accelerate-neuron demo`, or `accelerate-neuron simulate -- python your_script.py`",
+        ]
+    what = "simulated (no Trainium; CPU memory stands in)" if dev["kind"] == "simulated" else "torch-neuronx"
+    lines = [f"Neuron device      {what}, {dev['visible_cores']} visible core(s)"]
+    totals = {c["total"] for c in dev["cores"]}
+    if dev.get("error"):
+        lines.append(f"  could not read core memory: {dev['error']}")
+    elif len(totals) == 1 and not any(c["allocated"] for c in dev["cores"]):
+        lines.append(f"  HBM per core     {size(totals.pop())} (runtime initialised to read it)")
+    else:
+        for core in dev["cores"]:
+            lines.append(f"  core {core['index']:<3}        {size(core['total'])} total, {size(core['free'])} free")
+    if not dev["cores"] and not dev.get("error"):
+        lines.append("  HBM per core     not read (--no-init)")
+    return lines
+
+
+def _status_lines(status: dict[str, Any], verbose: bool) -> list[str]:
+    lines = [f"accelerate-neuron  {'active' if status['active'] else 'inert: ' + status['inert_reason']}"]
+    if status["plugins"]:
+        lines.append("Plugins")
+        for p in status["plugins"]:
+            detail = f" - {p['detail']}" if p["detail"] else ""
+            lines.append(f"  [{'on ' if p['active'] else 'off'}] {p['name']:<12} {p['kind']}{detail}")
+    if not status["patches"]:
+        return lines
+    counts: dict[str, Counter[str]] = {}
+    for p in status["patches"]:
+        counts.setdefault(p["plugin"], Counter())[p["status"]] += 1
+    lines.append(f"Patches ({sum(c['applied'] for c in counts.values())} applied of {len(status['patches'])})")
+    for plugin, c in counts.items():
+        order = sorted(c, key=lambda state: (_STATE_ORDER.index(state) if state in _STATE_ORDER else 99, state))
+        lines.append(f"  {plugin:<12} " + ", ".join(f"{c[state]} {state}" for state in order))
+    for p in status["patches"]:
+        if verbose or _needs_attention(p):
+            lines.append(f"  {p['status']:<8} {p['target']}  [{p['plugin']}]")
+            why = p.get("detail") if p["status"] != "applied" else p.get("reason")
+            if why:
+                lines.append(f"           {why}")
+    if not verbose:
+        lines.append("  (-v lists every patch: why each applies, or why upstream did not need it)")
+    return lines
+
+
+def _needs_attention(patch: dict[str, Any]) -> bool:
+    """A patch that failed, rather than one upstream did not need or a release does not have."""
+    detail = str(patch.get("detail", ""))
+    return patch["status"] not in ("applied", "skipped", "absent") or detail.startswith(_checks.FAILURE_DETAILS)
+
+
+def render(facts: dict[str, Any], verbose: bool = False) -> str:
+    v = facts["versions"]
+    lines = [f"accelerate-neuron {v['accelerate-neuron']} environment", "", "Versions"]
+    for name, value in v.items():
+        if value is not None or name in ("torch-neuronx", "transformers", "accelerate"):
+            lines.append(f"  {name:<18} {value or 'not installed'}")
+    lines += ["", *_device_lines(facts), "", "Settings"]
+    for name, value in facts["settings"].items():
+        lines.append(f"  {name:<30} {value if value is not None else KEY_SETTINGS.get(name, 'unset')}")
+    cache = facts["compile_cache"]
+    if cache.get("simulator_build_cache"):
+        lines.append(f"  {'simulator build cache':<30} {cache['simulator_build_cache']}")
+    lines += ["", *_status_lines(facts["status"], verbose)]
+    for failure in facts["import_failures"]:
+        lines.append(f"  could not import {failure}")
+    problems = facts["problems"]
+    lines.append("")
+    if not problems:
+        lines.append("No misconfiguration found.")
+    else:
+        lines.append(f"Problems ({len(problems)})")
+        for p in problems:
+            lines.append(f"  {p['severity'].upper()}: {p['problem']}")
+            lines.append(f"    fix: {p['fix']}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    facts = collect(init=not args.no_init, progress=Progress(enabled=True))
+    if args.json:
+        print_json(facts)
+    else:
+        print(render(facts, verbose=args.verbose))
+    return 1 if any(p["severity"] == "error" for p in facts["problems"]) else 0

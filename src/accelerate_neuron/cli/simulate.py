@@ -1,0 +1,152 @@
+"""``accelerate-neuron simulate [options] -- CMD ...``: dry-run a command on a simulated Neuron device."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import _costs
+from ._common import CliError, core_count, memory_size, non_negative_seconds, print_json
+
+DEFAULT_CORES = 4
+DEFAULT_HBM = "24GiB"
+
+DESCRIPTION = """\
+Run CMD with a simulated Neuron device in every Python process it starts (a
+script, `python -m ...`, `accelerate launch ...`, `torchrun ...`), then print a
+dry-run report: where the model landed on each core, peak memory per core,
+graphs compiled and their input shapes, eager op signatures, host/device
+transfers, the top causes of recompiles and an estimate of the compile time
+the run would pay on Trainium. No Trainium and no script change needed.
+
+The default device is one trn2 chip at LNC=2: 4 cores of 24 GiB.
+The exit code is CMD's."""
+
+EPILOG = """\
+examples:
+  accelerate-neuron simulate -- python generate.py
+  accelerate-neuron simulate --cores 2 -- torchrun --nproc-per-node 2 train.py
+  accelerate-neuron simulate --json -- accelerate launch train.py > report.json
+
+A bare `python`, `accelerate` or `torchrun` in CMD resolves to the environment
+accelerate-neuron is installed in. With --json, stdout is only the report (one
+JSON line); CMD's own stdout goes to stderr."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="dry-run a command on a simulated Neuron device and report placement, memory and compiles",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--cores",
+        type=core_count,
+        default=DEFAULT_CORES,
+        metavar="N",
+        help=f"simulated NeuronCores (default {DEFAULT_CORES}: one trn2 chip at LNC=2)",
+    )
+    p.add_argument(
+        "--hbm",
+        type=memory_size,
+        default=DEFAULT_HBM,
+        metavar="SIZE",
+        help=f"memory per core, e.g. 24GiB, 16GiB, 512MiB (default {DEFAULT_HBM}); GB=10^9, GiB=2^30",
+    )
+    p.add_argument(
+        "--compile-seconds",
+        type=non_negative_seconds,
+        default=_costs.SECONDS_PER_GRAPH,
+        metavar="S",
+        help=f"assumed neuronx-cc time per compiled graph (default {_costs.SECONDS_PER_GRAPH:g})",
+    )
+    p.add_argument(
+        "--eager-seconds",
+        type=non_negative_seconds,
+        default=_costs.SECONDS_PER_EAGER_SIGNATURE,
+        metavar="S",
+        help=f"assumed compile time per eager op signature (default {_costs.SECONDS_PER_EAGER_SIGNATURE:g})",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line (stdout) instead of text")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")
+    p.set_defaults(run=run, parser=p)
+
+
+def _child_env(args: argparse.Namespace, report_dir: Path) -> dict[str, str]:
+    from ..activation import SIM_HBM_ENV, SIMULATE_ENV
+    from ..simulator.report import REPORT_DIR_ENV
+
+    env = dict(os.environ)
+    env[SIMULATE_ENV] = str(args.cores)
+    env[SIM_HBM_ENV] = args.hbm
+    env[REPORT_DIR_ENV] = str(report_dir)
+    # The interpreter's own bin dir first: `python`, `accelerate`, `torchrun` are the ones
+    # that have accelerate-neuron installed, even if the venv is not activated.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        args.parser.error("missing the command to run after '--', e.g. accelerate-neuron simulate -- python train.py")
+    if command[0].endswith(".py"):
+        command = [sys.executable, *command]
+    return command
+
+
+def _run_child(command: list[str], env: dict[str, str], json_mode: bool) -> int:
+    try:
+        # With --json, stdout carries only the report: the command's output goes to stderr.
+        proc = subprocess.Popen(command, env=env, stdout=sys.stderr if json_mode else None)
+    except FileNotFoundError:
+        # 127 / 126: what a shell answers, since the exit code is the command's.
+        raise CliError(f"command not found: {command[0]!r} (simulate runs: {' '.join(command)})", 127) from None
+    except PermissionError:
+        raise CliError(f"cannot execute {command[0]!r}: permission denied", 126) from None
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        # The child got the same SIGINT from the terminal; give it time to write its record.
+        code = proc.wait()
+    return 128 + (-code) if code < 0 else code
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import device
+    from ..sizes import parse_size
+    from ._dryrun import build_report, load_records
+    from ._render import render_dryrun
+
+    command = _command(args)
+    if device.kind() == "real":
+        raise CliError(
+            "this host has real Neuron cores (torch-neuronx): the simulator never shadows hardware. "
+            "Run the command directly; `accelerate-neuron env` shows the device."
+        )
+    with tempfile.TemporaryDirectory(prefix="accelerate-neuron-simulate-") as tmp:
+        report_dir = Path(tmp)
+        code = _run_child(command, _child_env(args, report_dir), args.json)
+        report = build_report(
+            load_records(report_dir),
+            command=command,
+            exit_code=code,
+            cores=args.cores,
+            hbm=parse_size(args.hbm),
+            seconds_per_graph=args.compile_seconds,
+            seconds_per_signature=args.eager_seconds,
+        )
+    if args.json:
+        print_json(report)
+    else:
+        sys.stdout.flush()
+        print(render_dryrun(report))
+    return code
