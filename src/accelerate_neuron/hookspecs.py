@@ -37,7 +37,10 @@ def neuron_memory_budget(index: int, total_memory: int, reserved: int, free: int
     """Bytes ``device_map`` planning may place on visible core ``index``.
 
     ``free`` is ``mem_get_info``'s answer where the backend has it, else None.
-    The built-in answer is ``free`` or ``total_memory - reserved``.
+    The built-in answer is ``free`` or ``total_memory - reserved`` (all free
+    memory, as Accelerate plans for GPUs); return less to keep headroom for
+    activations and compiled graphs. Return None to defer to the next
+    implementation; a negative or non-numeric answer is ignored with a warning.
     """
 
 
@@ -45,8 +48,14 @@ def neuron_memory_budget(index: int, total_memory: int, reserved: int, free: int
 def neuron_generation_tensor_device(name: str, model_device: torch.device) -> torch.device | str | None:
     """Where ``generate()`` keeps the growing tensor ``name`` (``input_ids``, ``attention_mask``, ...).
 
-    The built-in answer is ``"cpu"``: growing tensors on the host keep the
-    compiled graphs' input shapes fixed.
+    Asked once per ``generate()`` call for each such tensor the caller put on
+    Neuron; ``None`` or the tensor's own device leaves it where it is. The
+    built-in answer is ``"cpu"``: growing tensors on the host keep the compiled
+    graphs' input shapes fixed. The result returns on the caller's device.
+
+    ``name="logits"`` asks where greedy decoding picks the next token: on the
+    model's device (built-in), only one id per sequence crosses to the host;
+    ``"cpu"`` copies the whole logits row every step, as upstream does.
     """
 
 
@@ -70,8 +79,15 @@ def neuron_static_cache_length(requested: int, max_position_embeddings: int | No
 
 @hookspec(firstresult=True)
 def neuron_training_shape_policy(max_length: int | None) -> dict[str, Any] | None:
-    """How training batches are padded on Neuron.
+    """How training batches are padded on Neuron when the Trainer compiles.
 
-    Returns ``{"buckets": [int, ...], "pad_to_multiple_of": int | None,
-    "drop_last": bool}`` or ``None`` for the built-in default.
+    ``max_length`` is the longest sequence the model and tokenizer allow (None
+    if unknown). Returns a dict with any of: ``"buckets"`` (lengths a batch is
+    right-padded up to; empty turns bucketing off), ``"pad_to_multiple_of"``
+    (for lengths beyond the last bucket), ``"drop_last"`` (default of
+    ``dataloader_drop_last``), ``"pad_values"`` (batch key -> pad value, for
+    keys beyond ``input_ids``/``attention_mask``/``labels``/...). Missing keys
+    keep the built-in default: powers of two from 64 up to ``max_length``,
+    ``drop_last=True``. ``ACCELERATE_NEURON_TRAIN_BUCKETS`` overrides the
+    buckets of any plugin.
     """
