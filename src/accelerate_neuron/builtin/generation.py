@@ -1,11 +1,137 @@
-"""Built-in plugin `generation` (placeholder until its issue lands)."""
+"""Built-in plugin ``generation``: ``generate()`` on Neuron without script edits.
+
+- Growing tensors (ids, attention mask, ...) stay on the host even when the
+  script did ``inputs.to(model.device)``; forward inputs move to the model's
+  device just before each forward; the result returns on the caller's device
+  (``_generation_devices``).
+- Static KV cache by default, its length bucketed, and the decode step
+  compiled with the ``"neuron"`` backend on every supported Transformers
+  release (``_generation_cache``).
+- Greedy decoding takes the argmax on the device, so one id per row crosses to
+  the host instead of the whole logits row.
+
+Hooks with built-in answers here: ``neuron_generation_tensor_device``,
+``neuron_compile_config`` (purpose ``"generate"``), ``neuron_static_cache_length``.
+"""
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
+import torch
+
 from ..hookspecs import hookimpl
 from ..patching import Patch
+from . import _generation_cache as cache
+from . import _generation_devices as devices
+
+GEN = "transformers.generation.utils"
+_MIXIN = "GenerationMixin"
 
 
 @hookimpl
 def neuron_patches() -> list[Patch]:
-    return []
+    return [
+        Patch(
+            GEN,
+            f"{_MIXIN}.generate",
+            devices.wrap_generate,
+            reason="generate() keeps growing tensors on the host, moves forward inputs to Neuron before each "
+            "forward, and returns the result on the caller's device",
+            lacking="every release (>= 5.20 moves host inputs to the model, but ids put on Neuron grow there)",
+            params=("inputs", "generation_config"),
+        ),
+        Patch(
+            GEN,
+            f"{_MIXIN}._prepare_text_encoder_decoder_kwargs_for_generation",
+            devices.wrap_encoder_kwargs,
+            reason="the encoder of an encoder-decoder model runs on Neuron while generate()'s ids stay on the host",
+            lacking="every release",
+            params=("inputs_tensor", "model_kwargs"),
+            name="generation.encoder_inputs (5.x)",
+        ),
+        Patch(
+            GEN,
+            f"{_MIXIN}._prepare_encoder_decoder_kwargs_for_generation",
+            devices.wrap_encoder_kwargs,
+            reason="the encoder of an encoder-decoder model runs on Neuron while generate()'s ids stay on the host",
+            lacking="every release",
+            params=("inputs_tensor", "model_kwargs"),
+            name="generation.encoder_inputs (4.x)",
+        ),
+        Patch(
+            GEN,
+            f"{_MIXIN}._prepare_cache_for_generation",
+            cache.wrap_prepare_cache,
+            reason="a static KV cache by default on Neuron when the caller chose none (a dynamic cache changes "
+            f"shape every token); opt out with cache_implementation='dynamic' or {cache.STATIC_CACHE_ENV}=0",
+            lacking="every release (DynamicCache is the default)",
+            params=("generation_config", "model_kwargs", "generation_mode"),
+        ),
+        Patch(
+            GEN,
+            f"{_MIXIN}._prepare_static_cache",
+            cache.wrap_static_cache_length,
+            reason="static KV-cache length rounded up to a bucket so generate() calls share compiled graphs",
+            lacking="every release",
+            params=("max_cache_len",),
+            name="generation.static_cache_length (5.x)",
+        ),
+        Patch(
+            GEN,
+            f"{_MIXIN}._get_cache",
+            cache.wrap_static_cache_length,
+            reason="static KV-cache length rounded up to a bucket so generate() calls share compiled graphs",
+            lacking="every release",
+            params=("max_cache_len",),
+            name="generation.static_cache_length (4.x)",
+        ),
+        Patch(
+            GEN,
+            f"{_MIXIN}._valid_auto_compile_criteria",
+            cache.wrap_auto_compile,
+            reason="decode compiles on Neuron with a static cache, with the neuron_compile_config('generate') "
+            "defaults (backend 'neuron', dynamic=False)",
+            lacking="4.x (auto-compile is CUDA-only and defaults to inductor/reduce-overhead)",
+            params=("model_kwargs", "generation_config"),
+        ),
+        Patch(
+            GEN,
+            f"{_MIXIN}._sample",
+            devices.wrap_sample,
+            reason="greedy decoding takes the argmax on Neuron: one id per row crosses to the host, not the logits",
+            lacking="every release",
+            params=("input_ids", "logits_processor", "generation_config"),
+        ),
+        Patch(
+            "transformers.modeling_utils",
+            "PreTrainedModel.get_compiled_call",
+            devices.wrap_get_compiled_call,
+            reason="the compiled decode step hands back the greedy token when _sample selects it on Neuron",
+            lacking="every release",
+            params=("compile_config",),
+        ),
+    ]
+
+
+@hookimpl
+def neuron_generation_tensor_device(name: str, model_device: torch.device) -> torch.device | str | None:
+    # "logits" is where the next token is picked (greedy): on the device, so
+    # only the ids cross. Everything else generate() grows lives on the host.
+    if name == "logits":
+        return model_device
+    return "cpu"
+
+
+@hookimpl
+def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
+    if purpose != "generate":
+        return None
+    return {"backend": "neuron", "dynamic": False, "fullgraph": False, "mode": None}
+
+
+@hookimpl
+def neuron_static_cache_length(requested: int, max_position_embeddings: int | None) -> int | None:
+    spec = cache.parse_buckets(os.environ.get(cache.BUCKETS_ENV))
+    return cache.bucket_length(requested, max_position_embeddings, spec)
