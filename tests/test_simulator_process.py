@@ -126,10 +126,12 @@ parts = [torch.empty(2, device=dev) for _ in range(world)]
 dist.all_gather(parts, torch.full((2,), float(rank), device=dev))
 b = torch.arange(3.0, device=dev) if rank == 0 else torch.zeros(3, device=dev)
 dist.broadcast(b, src=0)
-print(json.dumps({"rank": rank, "visible": os.environ.get("NEURON_RT_VISIBLE_CORES"),
+out = open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w")
+out.write(json.dumps({"rank": rank, "visible": os.environ.get("NEURON_RT_VISIBLE_CORES"),
                   "backend": dist.get_backend(), "all_reduce": x.cpu().tolist(),
                   "all_gather": [p.cpu().tolist() for p in parts], "broadcast": b.cpu().tolist(),
                   "device": str(x.device), "physical": torch.neuron.get_device_properties(0).physical_core}))
+out.close()
 dist.destroy_process_group()
 """
 
@@ -148,15 +150,14 @@ def test_two_process_collectives(tmp_path: Path) -> None:
             f"--master_port={_free_port()}",
             str(script),
         ],
-        env=clean_env(ACCELERATE_NEURON_SIMULATE="2"),
+        env=clean_env(ACCELERATE_NEURON_SIMULATE="2", RESULT_DIR=str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    results = sorted(
-        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
-    )
+    # one file per rank: two ranks printing to one pipe can interleave their lines
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
         assert r["backend"] == "neuron" and r["device"] == "neuron:0"
