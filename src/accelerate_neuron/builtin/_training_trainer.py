@@ -1,0 +1,184 @@
+"""``Trainer`` on Neuron with torch.compile: bucketed batches and the recompile watchdog.
+
+Two patches, active only when the Trainer compiles on a Neuron device:
+
+- ``Trainer._get_dataloader`` (all of train / eval / test dataloaders): a stock
+  padding collator is wrapped so its batches land on the shape policy's
+  length buckets; evaluation keeps its last, smaller batch when the plugin
+  (not the user) turned ``dataloader_drop_last`` on, so metrics see every sample.
+- ``Trainer.__init__``: adds a callback that attaches the recompile watchdog
+  to the compiled model once training has prepared it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from typing import Any
+
+from .. import device
+from ..patching import Patch
+from ._training_args import DROP_LAST_ATTR
+from ._training_shapes import BUCKETS_ENV, ShapePolicy, bucketing_collator, collator_max_length, resolve_policy
+from ._training_watchdog import RecompileWatchdog
+
+logger = logging.getLogger("accelerate_neuron")
+
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+_logged: set[str] = set()
+
+
+def compiles_on_neuron(args: Any) -> bool:
+    """Whether a Trainer with these arguments compiles its model on a Neuron core."""
+    try:
+        return bool(getattr(args, "torch_compile", False)) and device.is_neuron(args.device)
+    except Exception:
+        return False
+
+
+def model_max_length(model: Any) -> int | None:
+    """The longest sequence the model's position embeddings allow (None if unbounded/unknown)."""
+    config = getattr(model, "config", None)
+    for name in _POSITION_LIMITS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def trainer_policy(trainer: Any) -> ShapePolicy:
+    collator = getattr(trainer, "data_collator", None)
+    return resolve_policy(collator_max_length(collator, model_max_length(getattr(trainer, "model", None))))
+
+
+def _wrap_get_dataloader(original: Any) -> Any:
+    signature = inspect.signature(original)
+
+    def _get_dataloader(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not compiles_on_neuron(self.args):
+            return original(self, *args, **kwargs)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            is_training = bool(bound.arguments.get("is_training", False))
+            collator = self.data_collator
+            wrapped = bucketing_collator(collator, trainer_policy(self))
+        except ValueError:
+            raise  # a bad policy setting: the message names it
+        except Exception:
+            logger.warning("accelerate_neuron: batches keep the collator's shapes (shape policy failed)", exc_info=True)
+            return original(self, *args, **kwargs)
+        keep_eval_tail = not is_training and self.args.dataloader_drop_last and self.args.__dict__.get(DROP_LAST_ATTR)
+        if wrapped is not None:
+            _announce(collator, wrapped.policy)
+            self.data_collator = wrapped
+        if keep_eval_tail:
+            self.args.dataloader_drop_last = False
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if wrapped is not None:
+                self.data_collator = collator
+            if keep_eval_tail:
+                self.args.dataloader_drop_last = True
+
+    return _get_dataloader
+
+
+def _announce(collator: Any, policy: ShapePolicy) -> None:
+    key = f"{type(collator).__name__}:{policy.buckets}:{policy.pad_to_multiple_of}"
+    if key in _logged:
+        return
+    _logged.add(key)
+    targets = []
+    if policy.buckets:
+        targets.append(f"the length buckets {list(policy.buckets)}")
+    if policy.pad_to_multiple_of:
+        beyond = " beyond the last bucket" if policy.buckets else ""
+        targets.append(f"a multiple of {policy.pad_to_multiple_of}{beyond}")
+    logger.warning(
+        "accelerate_neuron: training compiles on Neuron, so batches from %s are padded on the right to %s "
+        "(%s; attention_mask 0, labels -100: the loss is unchanged), keeping the compiled step to a few shapes. "
+        "Opt out: %s=off, or choose the buckets, e.g. %s=128,256,512.",
+        type(collator).__name__,
+        " and ".join(targets),
+        policy.source,
+        BUCKETS_ENV,
+        BUCKETS_ENV,
+    )
+
+
+def _watchdog_callback(trainer: Any, watchdog: RecompileWatchdog) -> Any:
+    from transformers import TrainerCallback
+
+    ref = weakref.ref(trainer)
+
+    class NeuronRecompileWatchdog(TrainerCallback):
+        """Attaches :class:`RecompileWatchdog` to the model the Trainer actually calls."""
+
+        def __init__(self) -> None:
+            self.watchdog = watchdog
+
+        def _attach(self) -> None:
+            owner = ref()
+            model = getattr(owner, "model_wrapped", None) if owner is not None else None
+            if model is not None:
+                self.watchdog.attach(model)
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._attach()
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._attach()
+
+    return NeuronRecompileWatchdog()
+
+
+def _wrap_trainer_init(original: Any) -> Any:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        try:
+            if compiles_on_neuron(self.args):
+                policy = trainer_policy(self)
+
+                def expected(name: str, old: Any, new: Any) -> bool:
+                    # A new length bucket is a compile the policy intends.
+                    return (
+                        old is not None
+                        and new is not None
+                        and len(old) == len(new) >= 2
+                        and old[0] == new[0]
+                        and old[2:] == new[2:]
+                        and policy.is_target(new[1])
+                    )
+
+                self.add_callback(_watchdog_callback(self, RecompileWatchdog(expected=expected)))
+        except ValueError:
+            raise  # bad user configuration (e.g. ACCELERATE_NEURON_RECOMPILE_WARMUP)
+        except Exception:
+            logger.debug("accelerate_neuron: recompile watchdog not installed", exc_info=True)
+
+    return __init__
+
+
+def patches() -> list[Patch]:
+    return [
+        Patch(
+            "transformers.trainer",
+            "Trainer._get_dataloader",
+            _wrap_get_dataloader,
+            reason="on Neuron with torch_compile, stock collators' batches are padded to a few length buckets "
+            "(neuron_training_shape_policy) so training compiles a few graphs, not one per length",
+            lacking="every release",
+            params=("dataset", "description", "batch_size", "is_training"),
+        ),
+        Patch(
+            "transformers.trainer",
+            "Trainer.__init__",
+            _wrap_trainer_init,
+            reason="a recompile after warm-up names the input whose shape changed and the fix",
+            lacking="every release",
+            params=("model", "args"),
+        ),
+    ]

@@ -1,0 +1,235 @@
+"""Recompile watchdog: after warm-up, a new graph compile names the input whose shape changed.
+
+On Neuron each compile costs minutes, so a training run that keeps
+recompiling looks hung. The watchdog needs nothing from the backend, so it
+works on real hardware and on the simulator alike:
+
+- compiles are counted with Dynamo's compile-start callbacks
+  (``torch._dynamo.callback.callback_handler``, trigger ``DYNAMO``), falling
+  back to Dynamo's ``unique_graphs`` counter where a torch lacks them;
+- the inputs of each call are read by a forward pre-hook on the outermost
+  (compiled) module, outside the compiled region.
+
+A call during which a compile started, past the first ``warmup`` calls, with
+an input shape not seen in a compiled call before, is a recompile for a new
+shape: warn once per input, naming old -> new shape and the fix. A shape the
+training shape policy produces on purpose (a new length bucket) is expected
+and only logged at debug level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("accelerate_neuron")
+
+WARMUP_ENV = "ACCELERATE_NEURON_RECOMPILE_WARMUP"
+DEFAULT_WARMUP = 1
+
+Signature = tuple[tuple[str, tuple[int, ...]], ...]
+
+_lock = threading.Lock()
+_dynamo_compiles = 0
+
+
+def _on_compile_start(args: Any) -> None:
+    global _dynamo_compiles
+    trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+    if trigger == "DYNAMO":  # backward graphs follow the forward they belong to
+        with _lock:
+            _dynamo_compiles += 1
+
+
+def _callback_handler() -> Any:
+    try:
+        from torch._dynamo.callback import callback_handler
+    except Exception:
+        return None
+    return callback_handler if hasattr(callback_handler, "register_start_callback") else None
+
+
+def ensure_compile_counter() -> bool:
+    """(Re)register the compile-start callback; ``torch._dynamo.reset()`` drops callbacks."""
+    handler = _callback_handler()
+    if handler is None:
+        return False
+    callbacks = getattr(handler, "start_callbacks", None)
+    if callbacks is None or _on_compile_start not in callbacks:
+        handler.register_start_callback(_on_compile_start)
+    return True
+
+
+def compile_count() -> int:
+    """Dynamo frame compiles started in this process (as far as the watchdog has seen)."""
+    if _callback_handler() is not None:
+        return _dynamo_compiles
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:
+        return 0
+
+
+def warmup_from_env() -> int:
+    raw = os.environ.get(WARMUP_ENV, "").strip()
+    if not raw:
+        return DEFAULT_WARMUP
+    if not raw.isdigit():
+        raise ValueError(f"{WARMUP_ENV}={raw!r}: expected a number of forward calls (>= 0), e.g. 1")
+    return int(raw)
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str] | None = None) -> Signature:
+    """(name, shape) of every tensor argument; positional ones take ``names`` (else ``arg<i>``)."""
+    import torch
+
+    names = names or []
+    items = [(names[i] if i < len(names) else f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    return tuple((name, tuple(value.shape)) for name, value in items if isinstance(value, torch.Tensor))
+
+
+def forward_parameter_names(module: Any) -> list[str]:
+    """Positional parameter names of the user's ``forward`` under compile / DDP wrappers."""
+    import inspect
+
+    inner = module
+    for _ in range(8):  # OptimizedModule._orig_mod, DistributedDataParallel.module, ...
+        nxt = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
+        if nxt is None or nxt is inner:
+            break
+        inner = nxt
+    try:
+        params = inspect.signature(inner.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _fmt(shape: tuple[int, ...] | None) -> str:
+    return "absent" if shape is None else "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def fix_for(old: tuple[int, ...] | None, new: tuple[int, ...] | None) -> str:
+    """The remedy for a shape change ``old`` -> ``new``."""
+    if old is not None and new is not None and len(old) == len(new) and old[1:] == new[1:] and old[:1] != new[:1]:
+        return (
+            "keep every batch the same size: dataloader_drop_last=True (the default on Neuron with torch_compile) "
+            "or a batch size that divides the dataset"
+        )
+    return (
+        "pad sequences to a few fixed lengths: use a stock collator (the plugin pads its batches to the buckets "
+        "of ACCELERATE_NEURON_TRAIN_BUCKETS, e.g. 128,256,512), or pad_to_multiple_of= / padding='max_length' "
+        "in your collator, and keep torch.compile(dynamic=False)"
+    )
+
+
+@dataclass
+class _Mode:
+    calls: int = 0
+    last: Signature | None = None
+    compiled: set[Signature] = field(default_factory=set)
+
+
+class RecompileWatchdog:
+    """Watches the forward calls of a compiled module for recompiles caused by new input shapes.
+
+    ``expected(name, old_shape, new_shape)`` says a change is intended (a new
+    length bucket); those compiles are not warned about. Only training-mode
+    calls are watched: evaluation keeps its last, smaller batch on purpose.
+    """
+
+    def __init__(
+        self,
+        warmup: int | None = None,
+        expected: Callable[[str, tuple[int, ...] | None, tuple[int, ...] | None], bool] | None = None,
+        watch_eval: bool = False,
+    ) -> None:
+        self.warmup = warmup_from_env() if warmup is None else warmup
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup!r}: expected a number of forward calls >= 0")
+        self.expected = expected
+        self.watch_eval = watch_eval
+        self.warned: set[str] = set()
+        self.events: list[dict[str, Any]] = []
+        self._modes: dict[bool, _Mode] = {}
+        self._pending: dict[int, tuple[bool, Signature, int]] = {}
+        self._attached: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._names: dict[int, list[str]] = {}
+
+    def attach(self, module: Any) -> bool:
+        """Hook ``module`` (call it with the outermost, compiled wrapper); False if already attached."""
+        if module in self._attached:
+            return False
+        module.register_forward_pre_hook(self._before, with_kwargs=True)
+        module.register_forward_hook(self._after, with_kwargs=True)
+        self._names[id(module)] = forward_parameter_names(module)
+        self._attached.add(module)
+        ensure_compile_counter()
+        return True
+
+    def _before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        try:
+            ensure_compile_counter()
+            sig = signature(args, kwargs, self._names.get(id(module)))
+            self._pending[id(module)] = (bool(module.training), sig, compile_count())
+        except Exception:  # a watchdog must never break the training step
+            logger.debug("accelerate_neuron: recompile watchdog failed before a call", exc_info=True)
+
+    def _after(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        pending = self._pending.pop(id(module), None)
+        if pending is None:
+            return
+        try:
+            training, sig, before = pending
+            self.observe(training, sig, compiled=compile_count() > before)
+        except Exception:
+            logger.debug("accelerate_neuron: recompile watchdog failed after a call", exc_info=True)
+
+    def observe(self, training: bool, sig: Signature, compiled: bool) -> list[dict[str, Any]]:
+        """Record one call; returns the shape changes it warned about."""
+        if not training and not self.watch_eval:
+            return []
+        mode = self._modes.setdefault(training, _Mode())
+        mode.calls += 1
+        previous = mode.last
+        mode.last = sig
+        if not compiled:
+            return []
+        new_shape = sig not in mode.compiled
+        mode.compiled.add(sig)
+        if mode.calls <= self.warmup or previous is None or not new_shape:
+            return []
+        old, new = dict(previous), dict(sig)
+        changes = [(n, old.get(n), new.get(n)) for n in sorted(set(old) | set(new), key=_order(sig, previous))]
+        changes = [c for c in changes if c[1] != c[2]]
+        if self.expected is not None and changes and all(self.expected(*c) for c in changes):
+            logger.debug("accelerate_neuron: compiled an expected new shape: %s", changes)
+            return []
+        fresh = [c for c in changes if c[0] not in self.warned]
+        if not fresh:
+            return []
+        self.warned.update(name for name, _, _ in fresh)
+        events = [{"input": n, "old": o, "new": w, "call": mode.calls} for n, o, w in fresh]
+        self.events.extend(events)
+        shapes = ", ".join(f"{n!r} {_fmt(o)} -> {_fmt(w)}" for n, o, w in fresh)
+        fixes = list(dict.fromkeys(fix_for(o, w) for _, o, w in fresh))
+        logger.warning(
+            "accelerate_neuron: torch.compile compiled a new graph after warm-up (training call %d) because the "
+            "input shape changed: %s. On Neuron every new input shape is another compile (minutes each). Fix: %s.",
+            mode.calls,
+            shapes,
+            "; and ".join(fixes),
+        )
+        return events
+
+
+def _order(*sigs: Signature) -> Callable[[str], int]:
+    names = [n for sig in sigs for n, _ in sig]
+    return lambda name: names.index(name)
