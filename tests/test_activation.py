@@ -305,7 +305,9 @@ print(json.dumps({"bindings": bindings, "imported_pending": imported_pending, "a
 def test_transformers_imported_before_or_after_the_plugin_ends_patched() -> None:
     before = "import torch, transformers, accelerate, accelerate.utils, transformers.modeling_utils\n"
     early = last_json(
-        run_python(before + IMPORT_ORDER_PROBE, TORCH_DEVICE_BACKEND_AUTOLOAD="0", ACCELERATE_NEURON_SIMULATE="2").stdout
+        run_python(
+            before + IMPORT_ORDER_PROBE, TORCH_DEVICE_BACKEND_AUTOLOAD="0", ACCELERATE_NEURON_SIMULATE="2"
+        ).stdout
     )
     late = last_json(run_python("import torch\n" + IMPORT_ORDER_PROBE, ACCELERATE_NEURON_SIMULATE="2").stdout)
     assert early["activated_by"] == "import accelerate_neuron"

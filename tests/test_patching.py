@@ -87,6 +87,10 @@ def test_missing_target_is_skipped_with_reason(
     assert "get_max_memory" in caplog.text
     missing_module = patching.apply(Patch("fake_upstream_gone", "f", _neuron_budget, reason="r"))
     assert missing_module.status == "skipped" and "not found" in missing_module.detail
+    replaced = patching.apply(
+        Patch("fake_upstream", "old_list", _neuron_budget, reason="r", gone="upstream marks its wrappers now")
+    )
+    assert replaced.status == "skipped" and replaced.detail == "upstream marks its wrappers now"
 
 
 def test_changed_signature_is_skipped(fake_upstream: types.ModuleType) -> None:

@@ -51,7 +51,7 @@ result = {{
     "model_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
     "max_memory_keys": [str(k) for k in accelerate.utils.get_max_memory()],
     "budget0": accelerate.utils.get_max_memory()[0],
-    "strategies": {{s: place(device_map=s) for s in ("auto", "balanced", "balanced_low_0", "sequential")}},
+    "strategies": {{s: place(device_map=s) for s in {strategies!r}}},
 }}
 with accelerate.init_empty_weights():
     meta = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
@@ -65,8 +65,11 @@ result["disk"] = place(device_map="auto", max_memory={0: "300KB", "cpu": "200KB"
 """
 
 
-def _run(cores: int, hbm: str, family: str, overrides: dict, extra: str = "") -> dict:
-    code = CHILD.format(family=family, overrides=overrides, extra=extra)
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _run(cores: int, hbm: str, family: str, overrides: dict, extra: str = "", strategies=STRATEGIES) -> dict:
+    code = CHILD.format(family=family, overrides=overrides, extra=extra, strategies=tuple(strategies))
     proc = run_python(code, ACCELERATE_NEURON_SIMULATE=str(cores), ACCELERATE_NEURON_SIM_HBM=hbm)
     return last_json(proc.stdout)
 
@@ -110,3 +113,16 @@ def test_four_cores_model_bigger_than_a_core_spills_to_the_next() -> None:
         else:  # sequential fills cores in order
             assert sorted(per_core) == list(range(len(per_core))), per_core
             assert len(per_core) < 4, per_core
+
+
+def test_auto_takes_another_core_rather_than_offload_when_blocks_do_not_fit() -> None:
+    # 1.45 MB on four 560 KB cores: three hold the bytes (with 10 % headroom) but not
+    # whole decoder layers plus Accelerate's buffers, so "auto" must not stop at three
+    # and push layers to the host while a core is free.
+    result = _run(4, "560KB", "llama", {"num_hidden_layers": 8}, strategies=("auto", "balanced"))
+    assert 3 * result["budget0"] * 0.9 >= result["model_bytes"]  # the byte count alone says three
+    for strategy in ("auto", "balanced"):
+        placed = result["strategies"][strategy]
+        assert "cpu" not in placed["map_values"] and "disk" not in placed["map_values"], (strategy, placed)
+        assert set(placed["bytes"]) == {f"neuron:{i}" for i in range(4)}, (strategy, placed)
+        assert placed["equal"], f"{strategy}: logits differ from the CPU reference"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 from .hookspecs import hookimpl  # noqa: E402
 
 if TYPE_CHECKING:
-    from .status import Status
+    from .status_report import Status
 
 try:
     __version__ = version("accelerate-neuron")
@@ -31,7 +31,7 @@ _ENTRY_POINT = "import torch (torch.backends entry point)"
 
 def status() -> Status:
     """What is active: the Neuron device, plugins, patches applied/skipped (and why)."""
-    from .status import collect
+    from .status_report import collect
 
     return collect()
 

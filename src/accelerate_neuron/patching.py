@@ -39,6 +39,8 @@ class Patch:
     ``module.attr`` bindings of the same object (``from x import f`` copies);
     each is replaced only while it still is the original. ``needed(original)``
     returns ``None`` when the patch is needed, or the reason it is not.
+    ``gone`` is the reason to report when the target does not exist because
+    upstream replaced it with something that already does the job.
     """
 
     module: str
@@ -50,6 +52,7 @@ class Patch:
     aliases: Sequence[str] = ()
     needed: Callable[[Any], str | None] | None = None
     name: str = ""
+    gone: str = ""
 
     @property
     def target(self) -> str:
@@ -153,7 +156,7 @@ def apply(patch: Patch, plugin: str = "") -> PatchRecord:
             _log_skip(record)
             return record
         if raw is _MISSING:
-            record.detail = f"target not found: {patch.target} does not exist in this release"
+            record.detail = patch.gone or f"target not found: {patch.target} does not exist in this release"
             _log_skip(record)
             return record
         if getattr(raw, MARKER, None) is not None:

@@ -57,52 +57,64 @@ def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> An
 
     common = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     if family == "qwen3":
-        cls, kwargs = transformers.Qwen3Config, {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 256,
-            "tie_word_embeddings": True,
-            **common,
-        }
+        cls, kwargs = (
+            transformers.Qwen3Config,
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": True,
+                **common,
+            },
+        )
     elif family == "llama":
-        cls, kwargs = transformers.LlamaConfig, {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 256,
-            **common,
-        }
+        cls, kwargs = (
+            transformers.LlamaConfig,
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 256,
+                **common,
+            },
+        )
     elif family == "gpt2":
-        cls, kwargs = transformers.GPT2Config, {
-            "n_embd": 64,
-            "n_layer": 2,
-            "n_head": 4,
-            "n_positions": 256,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            **common,
-        }
+        cls, kwargs = (
+            transformers.GPT2Config,
+            {
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "n_positions": 256,
+                "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0,
+                **common,
+            },
+        )
     elif family == "t5":
-        cls, kwargs = transformers.T5Config, {
-            "d_model": 64,
-            "d_kv": 16,
-            "d_ff": 128,
-            "num_layers": 2,
-            "num_decoder_layers": 2,
-            "num_heads": 4,
-            "dropout_rate": 0.0,
-            "decoder_start_token_id": 0,
-            "vocab_size": vocab_size,
-            "pad_token_id": 0,
-            "eos_token_id": 2,
-        }
+        cls, kwargs = (
+            transformers.T5Config,
+            {
+                "d_model": 64,
+                "d_kv": 16,
+                "d_ff": 128,
+                "num_layers": 2,
+                "num_decoder_layers": 2,
+                "num_heads": 4,
+                "dropout_rate": 0.0,
+                "decoder_start_token_id": 0,
+                "vocab_size": vocab_size,
+                "pad_token_id": 0,
+                "eos_token_id": 2,
+            },
+        )
     else:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {', '.join(FAMILIES)}")
     # Overrides go through the constructor so derived fields (e.g. Qwen3's

@@ -7,8 +7,10 @@ Accelerate's dispatch hooks split a compiled forward into one graph per
 segment (a model spread over 3 cores decoded with a static cache compiled 13
 graphs instead of 1 on the simulator). So ``"auto"`` here picks the smallest
 number of cores whose budgets hold the model with :data:`HEADROOM` to spare
-(activations, KV cache) and balances over them; a model bigger than every
-core still spreads over all and offloads as upstream does.
+(activations, KV cache) and on which Accelerate's own plan (whole no-split
+blocks, its per-device buffers) leaves nothing on the host, and balances over
+them; a model that needs every core still spreads over all and offloads as
+upstream does.
 ``"balanced"``, ``"balanced_low_0"``, ``"sequential"`` and an explicit
 ``max_memory`` keep upstream's meaning.
 """
@@ -39,6 +41,16 @@ def cores_needed(model_bytes: int, budgets: list[int], headroom: float = HEADROO
     return None
 
 
+def _plan_stays_on_cores(model: Any, max_memory: dict[int | str, int]) -> bool:
+    """True if upstream's ``"auto"`` plan for ``max_memory`` puts nothing on the CPU or disk."""
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    balanced = get_balanced_memory(model, max_memory=dict(max_memory), no_split_module_classes=no_split)
+    plan = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split)
+    return not any(value in ("cpu", "disk") for value in plan.values())
+
+
 def auto_max_memory(model: Any) -> dict[int | str, int] | None:
     """``max_memory`` limiting ``"auto"`` to the cores it needs, or None to keep upstream's plan."""
     from accelerate.utils import compute_module_sizes, get_max_memory
@@ -49,8 +61,18 @@ def auto_max_memory(model: Any) -> dict[int | str, int] | None:
     plan = get_max_memory()  # Neuron budgets (our patch) + host memory
     budgets = [int(plan.get(i, 0)) for i in range(cores)]
     model_bytes = int(compute_module_sizes(model)[""])
-    k = cores_needed(model_bytes, budgets)
-    if k is None or k == cores:
+    first = cores_needed(model_bytes, budgets)
+    if first is None:
+        return None
+    for k in range(first, cores):
+        limited: dict[int | str, int] = {i: budgets[i] for i in range(k)}
+        for key in ("cpu", "disk"):
+            if key in plan:
+                limited[key] = plan[key]
+        # The byte count ignores block granularity and Accelerate's buffers: ask its planner.
+        if _plan_stays_on_cores(model, limited):
+            break
+    else:
         return None
     if (model_bytes, k) not in _logged:
         _logged.add((model_bytes, k))
@@ -63,8 +85,4 @@ def auto_max_memory(model: Any) -> dict[int | str, int] | None:
             cores,
             k - 1,
         )
-    limited: dict[int | str, int] = {i: budgets[i] for i in range(k)}
-    for key in ("cpu", "disk"):
-        if key in plan:
-            limited[key] = plan[key]
     return limited

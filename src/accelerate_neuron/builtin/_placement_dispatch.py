@@ -8,6 +8,8 @@
   when the device is an int and Neuron is available.
 - ``dispatch_model`` adds ``model.neuron`` but ``remove_hook_from_module``
   does not know to remove it.
+- Accelerate 1.16 hands safetensors ``"neuron:N"`` strings (its
+  ``normalize_device``), which safetensors refuses.
 - Transformers 4.57 ``caching_allocator_warmup`` allocates the whole model
   size on each accelerator, Neuron included (no reuse pool there: OOM risk).
 """
@@ -82,6 +84,32 @@ def wrap_device_map_argument(
                     changed = True
             if changed:
                 args, kwargs = bound.args, bound.kwargs
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+# --- safetensors as Accelerate calls it ------------------------------------------------------------
+
+
+def wrap_safetensors_device(original: Callable[..., Any], *, position: int) -> Callable[..., Any]:
+    """``safe_open`` / ``load_file`` with a Neuron ``device`` turned into its core index.
+
+    Accelerate >= 1.16 spells integer devices as ``"neuron:N"`` before calling
+    safetensors (``normalize_device``), which refuses every string spelling of
+    a Neuron device. ``position`` is ``device``'s positional index.
+    """
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            index = visible_core(kwargs["device"], what="safetensors device")
+            if index is not None:
+                kwargs["device"] = index
+        elif len(args) > position:
+            index = visible_core(args[position], what="safetensors device")
+            if index is not None:
+                args = (*args[:position], index, *args[position + 1 :])
         return original(*args, **kwargs)
 
     return wrapper

@@ -102,6 +102,22 @@ def neuron_patches() -> list[Patch]:
             name="placement.load_checkpoint_in_model",
         ),
         Patch(
+            "accelerate.utils.modeling",
+            "safe_load_file",
+            lambda original: dispatch.wrap_safetensors_device(original, position=1),
+            reason="safetensors accepts only ints as a Neuron device; Accelerate >= 1.16 passes 'neuron:N'",
+            lacking="every safetensors release (no string spelling of a Neuron device)",
+            name="placement.safetensors_load_file",
+        ),
+        Patch(
+            "accelerate.utils.modeling",
+            "safe_open",
+            lambda original: dispatch.wrap_safetensors_device(original, position=2),
+            reason="safetensors accepts only ints as a Neuron device; Accelerate >= 1.16 passes 'neuron:N'",
+            lacking="every safetensors release (no string spelling of a Neuron device)",
+            name="placement.safetensors_open",
+        ),
+        Patch(
             "accelerate.big_modeling",
             "dispatch_model",
             dispatch.wrap_dispatch_model,
@@ -119,6 +135,7 @@ def neuron_patches() -> list[Patch]:
             reason="remove_hook_from_module also removes the model.neuron warning wrapper dispatch_model adds",
             lacking="Accelerate releases whose list lacks 'neuron' (1.10, 1.15)",
             needed=dispatch.added_attributes_need_neuron,
+            gone="upstream marks the wrappers it adds (Accelerate >= 1.16), model.neuron included",
             name="placement.accelerate_added_attributes",
         ),
         Patch(

@@ -575,6 +575,41 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
 }
 
+// Structured ops (add, mul, mse_loss, ...) reach a PrivateUse1 device through
+// a CompositeExplicitAutogradNonFunctional kernel that calls their out=
+// variant. Sending the functional/in-place op itself to the fallback instead
+// runs the CPU kernel as on CPU: eager signatures name the op the user ran
+// (aten::add.Tensor, not aten::add.out), and CPU out= kernels' scratch
+// resizes do not warn about a user-invisible output.
+struct NonFunctionalOverride {
+  NonFunctionalOverride() {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    library_ = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "aten", std::make_optional(c10::DispatchKey::PrivateUse1), __FILE__, __LINE__);
+    for (const auto& name : dispatcher.getAllOpNames()) {
+      if (name.name.rfind("aten::", 0) != 0) {
+        continue;
+      }
+      auto op = dispatcher.findOp(name);
+      if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+          !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+          !op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
+        continue;
+      }
+      std::string qualified = name.name.substr(6);
+      if (!name.overload_name.empty()) {
+        qualified += "." + name.overload_name;
+      }
+      library_->impl(
+          qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
+    }
+  }
+  std::unique_ptr<torch::Library> library_;
+};
+
+// Never freed: the registrations must outlive every op call during interpreter exit.
+NonFunctionalOverride* g_non_functional_override = new NonFunctionalOverride();
+
 TORCH_LIBRARY(neuron_sim, m) {
   m.def("cpu_alias(Tensor(a) self) -> Tensor(a)");
 }
