@@ -57,6 +57,7 @@ def test_help_names_every_command_and_bad_flag_exits_2() -> None:
         (["simulate", "--eager-seconds", "nan", "--", "python"], "argument --eager-seconds: 'nan' is not allowed"),
         (["simulate", "--json"], "missing the command to run after '--'"),
         (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: 0 is not allowed"),
+        (["demo", "--device-map", "spread"], "argument --device-map: invalid choice: 'spread' (choose from 'auto', "),
         (["demo", "--model", "/no/such/folder"], "argument --model: '/no/such/folder' is not a folder"),
         (["env", "--bogus"], "accelerate-neuron env: error: unrecognized arguments: --bogus"),
         (["bogus"], "invalid choice: 'bogus' (choose from 'demo', 'env', 'simulate')"),
@@ -220,6 +221,42 @@ def test_simulate_json_reports_placement_memory_compiles_and_recompile_causes(tm
     assert est["seconds"] == 3 * 10 + 0.5 * est["eager_signatures"]
 
 
+GENERATE_SCRIPT = """
+    import json, sys
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from accelerate_neuron import simulator
+
+    path = sys.argv[1]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, device_map="auto")
+    for prompt in ["hello", "the neuron core runs"]:
+        inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+        model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    print(json.dumps({"compiles": simulator.stats()["compiles"]}))
+"""
+
+
+def test_simulate_does_not_change_what_the_script_compiles(tmp_path: Path) -> None:
+    # The dry run's model tracking hooks run inside traced code; they must not break graphs.
+    from accelerate_neuron import tiny
+
+    model_dir = tiny.save_pretrained(tmp_path / "tiny-qwen3", "qwen3")
+    script = tmp_path / "generate.py"
+    script.write_text(textwrap.dedent(GENERATE_SCRIPT))
+    alone = subprocess.run(
+        [sys.executable, str(script), str(model_dir)],
+        env=clean_env(ACCELERATE_NEURON_SIMULATE="4"),
+        capture_output=True,
+        text=True,
+    )
+    assert alone.returncode == 0, alone.stderr
+    proc = cli("simulate", "--json", "--", "python", str(script), str(model_dir))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["compiles"] == last_json(proc.stderr)["compiles"] == last_json(alone.stdout)["compiles"] == 1
+    assert not report.get("graph_breaks")
+
+
 DDP_SCRIPT = """
     import torch, torch.distributed as dist
     dist.init_process_group(backend="neuron")
@@ -361,3 +398,17 @@ def test_demo_json_places_the_model_on_neuron_and_generates_the_corpus() -> None
     assert result["second_generate"]["eager_signatures"] < result["first_generate"]["eager_signatures"]
     assert result["load"]["h2d_bytes"] >= sum(result["placement"]["bytes"].values())
     assert result["tokens_per_second"] > 0
+
+
+def test_demo_on_a_whole_chip_keeps_a_small_model_on_one_core_unless_asked_to_spread() -> None:
+    auto = cli("demo", "--cores", "4", "--max-new-tokens", "4")
+    assert auto.returncode == 0, auto.stdout + auto.stderr
+    assert 'from_pretrained(device_map="auto") put the weights on:' in auto.stdout
+    assert "the whole model is on neuron:0" in auto.stdout
+    assert "--device-map balanced" not in auto.stdout  # the hint is for a one-core run
+    spread = cli("demo", "--json", "--cores", "4", "--device-map", "balanced", "--max-new-tokens", "4")
+    assert spread.returncode == 0, spread.stdout + spread.stderr
+    result = last_json(spread.stdout)
+    assert result["device_map"] == "balanced"
+    assert len(result["placement"]["bytes"]) >= 2 and all(d.startswith("neuron:") for d in result["placement"]["bytes"])
+    assert result["text"].startswith("the neuron core runs")

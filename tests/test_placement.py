@@ -410,3 +410,12 @@ def test_auto_uses_the_fewest_cores_that_hold_the_model() -> None:
     assert cores_needed(950, [1000, 1000]) == 2  # 90 % headroom: 950 B does not fit one 1000 B core
     assert cores_needed(1700, [1000, 1000, 1000]) == 2
     assert cores_needed(5000, [1000, 1000]) is None  # spread over all and offload, as upstream
+
+
+def test_planning_allocates_nothing_on_the_cores(sim) -> None:
+    # Accelerate 1.16's own get_max_memory allocates a tensor on every core to probe it.
+    sim.reset_stats()
+    current = sim.stats()["memory_allocated"]
+    plan = accelerate.utils.get_max_memory()
+    assert set(plan) == {0, 1, "cpu"}
+    assert sim.stats()["max_memory_allocated"] == current

@@ -157,8 +157,11 @@ def wrap_get_max_memory(original: Callable[..., dict]) -> Callable[..., dict]:
                     found[index] = core_budget(index)
                 except Exception as exc:  # like upstream for a GPU that fails to answer: plan without it
                     logger.warning("accelerate_neuron: Neuron core %d left out of device_map planning: %s", index, exc)
-            # upstream's host entry ("cpu", or "mps" elsewhere); its int keys would be CUDA's, not ours
-            found.update((k, v) for k, v in original(None).items() if not isinstance(k, int))
+            # Upstream's own answer is not asked: Accelerate >= 1.16 would allocate on every core to
+            # probe it and fail on the missing mem_get_info. The host entry is upstream's rule.
+            import psutil
+
+            found["cpu"] = psutil.virtual_memory().available
             return found
         return normalise_max_memory(max_memory, cores)
 

@@ -49,9 +49,11 @@ def _training_rows(tokenizer: object) -> list[list[int]]:
 def build(target: Path) -> Path:
     """Train the toy model on the CPU and save it with its tokenizer to ``target``."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     from .. import tiny
 
+    hf_logging.disable_progress_bar()  # the demo's step line says what is happening
     tokenizer = tiny.tokenizer()
     model = tiny.model(FAMILY, seed=0, vocab_size=len(tokenizer)).train()
     batch = torch.tensor(_training_rows(tokenizer))

@@ -27,8 +27,9 @@ from ._render import placement_lines
 DEFAULT_PROMPT = "the neuron core"
 DEFAULT_NEW_TOKENS = 16
 #: One simulated core: the toy model fits, and the demo stays quick. --cores 4 models a whole
-#: trn2 chip (LNC=2), over which device_map="auto" spreads the layers.
+#: trn2 chip (LNC=2); "auto" keeps a model that fits on one core there, "balanced" spreads it.
 DEFAULT_CORES = 1
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 DEFAULT_HBM = "24GiB"
 
 DESCRIPTION = """\
@@ -75,6 +76,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_NEW_TOKENS,
         metavar="N",
         help=f"tokens to generate (default {DEFAULT_NEW_TOKENS})",
+    )
+    p.add_argument(
+        "--device-map",
+        choices=DEVICE_MAPS,
+        default="auto",
+        help="the device_map strategy given to from_pretrained (default auto: the fewest cores that hold "
+        "the model; balanced: spread over every core)",
     )
     p.add_argument(
         "--cores",
@@ -178,9 +186,9 @@ def _run_job(args: argparse.Namespace, kind: str, path: Path, progress: Progress
     hf_logging.disable_progress_bar()  # our step lines say what is happening
     counters = _Counters(kind)
     counters.reset()
-    with progress.step(f'loading {path.name} with from_pretrained(device_map="auto")'):
+    with progress.step(f'loading {path.name} with from_pretrained(device_map="{args.device_map}")'):
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, device_map="auto")
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=args.device_map)
     load = counters.read()
     placement = summarize_module(model)
     inputs = tokenizer(args.prompt, return_tensors="pt").to(model.device)
@@ -196,6 +204,7 @@ def _run_job(args: argparse.Namespace, kind: str, path: Path, progress: Progress
     return {
         "model": type(model).__name__,
         "model_path": str(path),
+        "device_map": args.device_map,
         "parameters": placement["parameters"],
         "model_device": str(model.device),
         "hf_device_map": {k: str(v) for k, v in (getattr(model, "hf_device_map", None) or {}).items()},
@@ -231,8 +240,9 @@ def _render(result: dict[str, Any]) -> str:
     lines = [f"accelerate-neuron demo on {where}", ""]
     lines.append(f"model       {result['model']}, {result['parameters']:,} parameters, from {result['model_path']}")
     on_neuron = any(d.startswith("neuron") for d in result["placement"]["bytes"])
-    verdict = "" if on_neuron else "  (nothing landed on Neuron: device_map='auto' kept every weight on the CPU)"
-    lines.append(f'placement   from_pretrained(device_map="auto") put the weights on:{verdict}')
+    strategy = result["device_map"]
+    verdict = "" if on_neuron else f"  (nothing landed on Neuron: device_map={strategy!r} kept every weight on the CPU)"
+    lines.append(f'placement   from_pretrained(device_map="{strategy}") put the weights on:{verdict}')
     lines.extend(placement_lines(result["placement"], indent="    "))
     lines.append(f"prompt      {result['prompt']!r}")
     lines.append(f"output      {result['text']!r}")
@@ -268,11 +278,10 @@ def _render(result: dict[str, Any]) -> str:
         f"patches     {sum(per_plugin.values())} applied ({detail or 'none'}); `accelerate-neuron env -v` lists them"
     )
     if result["device"] == "simulated":
-        lines += [
-            "",
-            "next        accelerate-neuron demo --cores 4   (a whole trn2 chip: device_map='auto' spreads the layers)",
-            "            accelerate-neuron simulate -- python your_script.py   (dry-run your own script)",
-        ]
+        hints = ["accelerate-neuron simulate -- python your_script.py   (dry-run your own script)"]
+        if result["cores"] == 1:
+            hints.insert(0, "accelerate-neuron demo --cores 4 --device-map balanced   (spread over a whole trn2 chip)")
+        lines += ["", f"next        {hints[0]}", *(f"            {hint}" for hint in hints[1:])]
     return "\n".join(lines)
 
 

@@ -193,9 +193,13 @@ class _Tracker:
         return ref is not None and ref() is not None
 
     # The two hooks run inside the user's `module.x = ...`: they must never raise (a module class
-    # may be unhashable or not weak-referenceable; it is then simply not tracked).
+    # may be unhashable or not weak-referenceable; it is then simply not tracked). Dynamo traces
+    # them when a compiled forward assigns a module attribute: their id() calls would then break
+    # the graph, so the dry run would report more graphs than the script compiles on its own.
 
     def on_module(self, parent: Any, name: str, child: Any) -> None:
+        if _compiling():
+            return
         try:
             if child is not None:
                 self.parent[child] = weakref.ref(parent)
@@ -207,6 +211,8 @@ class _Tracker:
             pass
 
     def on_parameter(self, module: Any, name: str, param: Any) -> None:
+        if _compiling():
+            return
         try:
             if param is not None:
                 self.candidate(module)
@@ -294,6 +300,13 @@ def _total_bytes(summary: Mapping[str, Any]) -> int:
 
 
 _tracker: _Tracker | None = None
+
+
+def _compiling() -> bool:
+    """True while Dynamo traces (a constant to it: the hook's body is then dead code)."""
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def _track_models() -> None:
