@@ -363,7 +363,7 @@ def test_model_split_across_cores_decodes_eagerly_with_flat_shapes(sim, referenc
     assert any("several Neuron cores" in r.getMessage() for r in caplog.records)
     short, out = signatures_for(split, on(split.device, enc), max_new_tokens=4, do_sample=False)
     long, _ = signatures_for(split, on(split.device, enc), max_new_tokens=10, do_sample=False)
-    # Accelerate's hooks would cut a compiled decode into one graph per block: decode runs eagerly instead.
+    # One compiled graph would hold tensors of two cores (a NEFF runs on one core): decode runs eagerly.
     assert short["compiles"] == long["compiles"] == 0
     assert long["eager_signatures"] == short["eager_signatures"]
     assert out.device == split.device

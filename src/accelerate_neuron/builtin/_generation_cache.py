@@ -239,8 +239,9 @@ def _skip_compile_for_split_model() -> None:
     _warned_split = True
     logger.warning(
         "accelerate_neuron: generate() does not auto-compile a model dispatched across several Neuron cores: "
-        "Accelerate's device hooks break the decode step into one graph per hooked block (each a Neuron compile). "
-        "Decode runs eagerly with a static cache instead; pass compile_config=CompileConfig(...) to compile anyway, "
+        "its decode step would be one graph holding tensors of several cores, and a NEFF runs on one NeuronCore "
+        "(torch-neuronx's support for such graphs is unverified). Decode runs eagerly with a static cache "
+        "instead; pass compile_config=CompileConfig(...) to compile anyway, "
         "or load the model on one core (device_map={'': 0}) if it fits."
     )
 

@@ -2,10 +2,10 @@
 
 Upstream's ``"auto"`` means ``"balanced"``: spread the layers over every
 accelerator. On Neuron that is the wrong default for a model that fits on
-fewer cores: every core boundary is a transfer in the forward, and
-Accelerate's dispatch hooks split a compiled forward into one graph per
-segment (a model spread over 3 cores decoded with a static cache compiled 13
-graphs instead of 1 on the simulator). So ``"auto"`` here picks the smallest
+fewer cores: every core boundary is a device-to-device transfer in every
+forward, and ``generate()`` does not auto-compile a model split across cores
+(a compiled graph, a NEFF, runs on one NeuronCore), so its decode step runs
+eagerly. So ``"auto"`` here picks the smallest
 number of cores whose budgets hold the model with :data:`HEADROOM` to spare
 (activations, KV cache) and on which Accelerate's own plan (whole no-split
 blocks, its per-device buffers) leaves nothing on the host, and balances over
@@ -78,7 +78,7 @@ def auto_max_memory(model: Any) -> dict[int | str, int] | None:
         _logged.add((model_bytes, k))
         logger.info(
             "accelerate_neuron: device_map='auto' places the model (%s) on %d of %d Neuron cores (0..%d): "
-            "each core boundary costs a transfer and splits compiled graphs. "
+            "each core boundary costs a transfer, and generate() compiles a model on one core only. "
             "Pass device_map='balanced' to spread it over every core.",
             format_size(model_bytes),
             k,
