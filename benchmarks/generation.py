@@ -31,7 +31,6 @@ A second table counts compiled graphs across 10 different ``max_new_tokens``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import accelerate_neuron
-from accelerate_neuron import activation, hookimpl, patching, plugins, simulator, tiny
+from accelerate_neuron import activation, hookimpl, plugins, simulator, tiny
 from accelerate_neuron.builtin import _generation_cache as gcache
 from accelerate_neuron.builtin import _generation_devices as gdev
 
@@ -91,25 +90,6 @@ class _HostLogits:
     @hookimpl
     def neuron_generation_tensor_device(self, name, model_device):
         return "cpu"
-
-
-@contextlib.contextmanager
-def _stock():
-    patching.revert_all()
-    try:
-        yield
-    finally:
-        activation.reapply_patches()
-
-
-@contextlib.contextmanager
-def _plugin(obj: object, name: str):
-    pm = plugins.manager().pm
-    pm.register(obj, name=name)
-    try:
-        yield
-    finally:
-        pm.unregister(obj)
 
 
 class _StopAfter(StoppingCriteria):
@@ -200,9 +180,9 @@ def main() -> None:
         print(name, result, file=sys.stderr, flush=True)
 
     scenario("patched", "device")
-    with _plugin(_HostLogits(), "bench-host-logits"):
+    with plugins.registered(_HostLogits(), "bench-host-logits"):
         scenario("patched, logits to host", "device")
-    with _stock():
+    with activation.unpatched():
         scenario("stock", "device")
         scenario("stock + static", "device", cache_implementation="static")
         scenario("stock + static, host inputs", "host", cache_implementation="static")
@@ -214,7 +194,7 @@ def main() -> None:
         graphs["patched, buckets off"] = _graphs_across_lengths(args.vocab, enc)
     finally:
         del os.environ[gcache.BUCKETS_ENV]
-    with _stock():
+    with activation.unpatched():
         graphs["stock + static"] = _graphs_across_lengths(args.vocab, enc, cache_implementation="static")
 
     lines = [

@@ -33,9 +33,9 @@ STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 MODEL = {"family": "llama", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 8, "vocab_size": 4096}
 
 CHILD = r"""
-import gc, json, os, statistics, sys, tempfile, time
+import contextlib, gc, json, os, statistics, sys, tempfile, time
 import torch, transformers
-from accelerate_neuron import activation, patching, simulator, tiny
+from accelerate_neuron import activation, simulator, tiny
 
 spec = json.loads(sys.argv[1])
 rounds = int(sys.argv[2])
@@ -57,16 +57,12 @@ def load(strategy):
     return seconds, per
 
 def measure(strategy, patched):
-    if not patched:
-        patching.revert_all()
-    try:
+    with contextlib.nullcontext() if patched else activation.unpatched():
         load(strategy)  # warm-up
         times, per = [], None
         for _ in range(rounds):
             seconds, per = load(strategy)
             times.append(seconds)
-    finally:
-        activation.reapply_patches()
     total = sum(per.values())
     core_bytes = [per.get(f"neuron:{i}", 0) for i in range(cores)]
     on_neuron = sum(core_bytes)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import accelerate_neuron
-from accelerate_neuron import activation, patching, simulator
+from accelerate_neuron import activation, simulator
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -52,14 +52,8 @@ def sim() -> Iterator[object]:
     yield simulator
 
 
-@contextlib.contextmanager
-def unpatched_upstream() -> Iterator[None]:
-    """Stock upstream on a (simulated) trn2: every patch reverted inside the block."""
-    patching.revert_all()
-    try:
-        yield
-    finally:
-        activation.reapply_patches()
+#: Stock upstream on a (simulated) trn2: every patch reverted inside the block.
+unpatched_upstream = activation.unpatched
 
 
 @pytest.fixture

@@ -67,16 +67,6 @@ def cache_length(cache):
     return cache.layers[0].keys.shape[-2]
 
 
-@contextlib.contextmanager
-def extra_plugin(obj, name):
-    pm = plugins.manager().pm
-    pm.register(obj, name=name)
-    try:
-        yield
-    finally:
-        pm.unregister(obj)
-
-
 def signatures_for(model, inputs, **kwargs):
     simulator.reset_stats()
     out = model.generate(**inputs, **kwargs)
@@ -210,7 +200,7 @@ def test_static_cache_length_hook(sim, model, tok):
 
     enc = on(model.device, tok([PROMPT], return_tensors="pt"))
     fresh = tiny.model("qwen3", **QWEN).to("neuron")
-    with extra_plugin(Plugin(), "test-cache-length"):
+    with plugins.registered(Plugin(), "test-cache-length"):
         out = fresh.generate(
             **enc, max_new_tokens=5, do_sample=False, return_dict_in_generate=True, disable_compile=True
         )
@@ -256,7 +246,7 @@ def test_greedy_token_is_picked_on_device(sim, model, tok):
         def neuron_generation_tensor_device(self, name, model_device):
             return "cpu"
 
-    with extra_plugin(HostLogits(), "test-host-logits"):
+    with plugins.registered(HostLogits(), "test-host-logits"):
         on_host = d2h_per_step()
     assert on_host >= 2 * vocab * 4  # the float32 row of every prompt, every step
 
@@ -482,7 +472,7 @@ def test_compile_config_hook_sets_the_default(sim, tok):
     torch._dynamo.reset()
     fresh = tiny.model("qwen3", **QWEN).to("neuron")
     enc = on(fresh.device, tok([PROMPT], return_tensors="pt"))
-    with extra_plugin(Plugin(), "test-compile-config"):
+    with plugins.registered(Plugin(), "test-compile-config"):
         stats, _ = signatures_for(fresh, enc, max_new_tokens=4, do_sample=False)
     assert stats["compiles"] == 0
     assert fresh._last_compile_config.backend == "eager"

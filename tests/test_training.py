@@ -176,9 +176,7 @@ def test_policy_from_env_and_from_a_plugin(monkeypatch: pytest.MonkeyPatch) -> N
         def neuron_training_shape_policy(self, max_length: int | None) -> dict[str, Any]:
             return {"buckets": [max_length // 4, max_length], "pad_values": {"pixel_mask": 0}}
 
-    pm = plugins.manager().pm
-    pm.register(ShortBuckets(), name="short-buckets")
-    try:
+    with plugins.registered(ShortBuckets(), name="short-buckets"):
         policy = resolve_policy(512)
         assert policy.buckets == (128, 512) and policy.pad_values == {"pixel_mask": 0} and policy.drop_last
         monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "32, 96")
@@ -188,8 +186,6 @@ def test_policy_from_env_and_from_a_plugin(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "128,big")
         with pytest.raises(ValueError, match="ACCELERATE_NEURON_TRAIN_BUCKETS='128,big'"):
             resolve_policy(512)
-    finally:
-        pm.unregister(name="short-buckets")
 
 
 # ---------------------------------------------------------------- watchdog
@@ -306,7 +302,6 @@ def test_dataloaders_are_bucketed_and_evaluation_keeps_every_sample(
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The CPU run, the plugin's run and the baselines on the same data (shared: each run compiles)."""
-    from accelerate_neuron import activation
     from accelerate_neuron.builtin import _training_trainer
     from accelerate_neuron.builtin._training_shapes import BUCKETS_ENV
 
@@ -333,7 +328,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             results["stock_device"] = stock_args.device.type
             if results["stock_device"] == "neuron":
                 results["stock"] = _train(tmp, torch_compile=True)
-        activation.reapply_patches()
     finally:
         logging.getLogger("accelerate_neuron").removeHandler(handler)
         mp.undo()

@@ -8,11 +8,13 @@ schedules their patches for the moment transformers / accelerate are imported.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,6 +220,18 @@ def reapply_patches() -> int:
         if patch.module in sys.modules:
             applied += patching.apply(patch, plugin=plugin_name).status == "applied"
     return applied
+
+
+@contextlib.contextmanager
+def unpatched() -> Iterator[None]:
+    """Stock upstream inside the block: every patch reverted, then re-applied (tests' and benchmarks' baseline)."""
+    from . import patching
+
+    patching.revert_all()
+    try:
+        yield
+    finally:
+        reapply_patches()
 
 
 def reset_for_tests() -> None:

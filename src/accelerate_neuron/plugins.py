@@ -7,10 +7,12 @@ point names). Unknown names are reported once with the valid ones.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -154,6 +156,17 @@ def manager() -> _Manager:
             mgr.load(disable_setting())
             _manager = mgr
         return _manager
+
+
+@contextlib.contextmanager
+def registered(plugin: object, name: str | None = None) -> Iterator[object]:
+    """``plugin``'s hook implementations active inside the block only (tests, benchmarks, notebooks)."""
+    pm = manager().pm
+    pm.register(plugin, name=name)
+    try:
+        yield plugin
+    finally:
+        pm.unregister(plugin)
 
 
 def call_hook(hook: str, **kwargs: Any) -> Any:

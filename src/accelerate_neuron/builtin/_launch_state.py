@@ -19,8 +19,8 @@ from typing import Any
 
 from .. import device
 from ..patching import Patch
+from ._enum_backfill import has_native_member
 from ._launch_cores import bind_local_core, local_rank
-from ._launch_enums import has_native_member
 
 MULTI_NEURON = "MULTI_NEURON"
 LACKING_OLD = "accelerate <= 1.12 (no DistributedType.MULTI_NEURON)"

@@ -11,13 +11,11 @@ release, which lets Dynamo turn a recompiled dimension symbolic.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
 from ..patching import Patch
-
-logger = logging.getLogger("accelerate_neuron")
+from ._enum_backfill import dynamo_backend_neuron
 
 DEFAULT_CONFIG: dict[str, Any] = {"backend": "neuron", "dynamic": False, "fullgraph": False, "mode": None}
 _KEYS = {"backend": (str,), "dynamic": (bool, type(None)), "fullgraph": (bool,), "mode": (str, type(None))}
@@ -78,7 +76,7 @@ def _dynamo_needed(_original: Any) -> str | None:
 
 def patches() -> list[Patch]:
     return [
-        *_enum_patches(),
+        *dynamo_backend_neuron(),
         Patch(
             "accelerate.utils.dataclasses",
             "TorchDynamoPlugin.__post_init__",
@@ -90,21 +88,3 @@ def patches() -> list[Patch]:
             needed=_dynamo_needed,
         ),
     ]
-
-
-def _enum_patches() -> list[Patch]:
-    # The backfill is shared with the launch plugin: the same patch keys make it
-    # apply once, by whichever of the two plugins is active.
-    try:
-        from ._launch_enums import member_patches
-    except ImportError as exc:
-        logger.warning("accelerate_neuron: DynamoBackend.NEURON cannot be backfilled: %s", exc)
-        return []
-    return member_patches(
-        "accelerate.utils.dataclasses",
-        "DynamoBackend",
-        "NEURON",
-        "NEURON",
-        "torch.compile(backend='neuron') through Accelerate's TorchDynamoPlugin / dynamo_config",
-        "accelerate <= 1.14",
-    )

@@ -10,6 +10,10 @@ member is whatever the class's ``_member_map_`` / ``_value2member_map_`` /
 ``EnumType.__getattr__`` -> ``_member_map_``), so each of these three class
 attributes is replaced by a copy that also holds the new member. Replacing
 (not mutating) keeps every change a revertible :class:`Patch`.
+
+Both the ``launch`` and the ``training`` plugin need ``DynamoBackend.NEURON``:
+each declares :func:`dynamo_backend_neuron`, and the shared patch keys make it
+apply once, by whichever of the two is active.
 """
 
 from __future__ import annotations
@@ -101,23 +105,26 @@ def member_patches(module: str, cls_name: str, name: str, value: str, reason: st
     ]
 
 
-def patches() -> list[Patch]:
-    dataclasses = "accelerate.utils.dataclasses"
-    return [
-        *member_patches(
-            dataclasses,
-            "DistributedType",
-            "MULTI_NEURON",
-            "MULTI_NEURON",
-            "one process per Neuron core needs its own distributed type (config files, launch, DDP, reduce/gather)",
-            "accelerate <= 1.12",
-        ),
-        *member_patches(
-            dataclasses,
-            "DynamoBackend",
-            "NEURON",
-            "NEURON",
-            "torch.compile(backend='neuron') through Accelerate's TorchDynamoPlugin / dynamo_config",
-            "accelerate <= 1.14",
-        ),
-    ]
+_DATACLASSES = "accelerate.utils.dataclasses"
+
+
+def distributed_type_multi_neuron() -> list[Patch]:
+    return member_patches(
+        _DATACLASSES,
+        "DistributedType",
+        "MULTI_NEURON",
+        "MULTI_NEURON",
+        "one process per Neuron core needs its own distributed type (config files, launch, DDP, reduce/gather)",
+        "accelerate <= 1.12",
+    )
+
+
+def dynamo_backend_neuron() -> list[Patch]:
+    return member_patches(
+        _DATACLASSES,
+        "DynamoBackend",
+        "NEURON",
+        "NEURON",
+        "torch.compile(backend='neuron') through Accelerate's TorchDynamoPlugin / dynamo_config",
+        "accelerate <= 1.14",
+    )
