@@ -45,8 +45,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import accelerate_neuron
 from accelerate_neuron import activation, hookimpl, plugins, simulator, tiny
-from accelerate_neuron.builtin import _generation_cache as gcache
-from accelerate_neuron.builtin import _generation_devices as gdev
+from accelerate_neuron.builtin.generation import cache as gcache
+from accelerate_neuron.builtin.generation import devices as gdev
 
 PROMPT = "the neuron core runs the compiled graph"
 BUCKET_LENGTHS = [3, 7, 12, 20, 28, 35, 44, 52, 61, 70]

@@ -20,7 +20,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from transformers.generation.configuration_utils import CompileConfig
 
 from accelerate_neuron import hookimpl, patching, plugins, simulator, tiny
-from accelerate_neuron.builtin import _generation_cache as gcache
+from accelerate_neuron.builtin.generation import cache as gcache
 from helpers import REPO, clean_env
 
 PROMPT = "the neuron core runs"

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from accelerate_neuron import patching, tiny
-from accelerate_neuron.builtin._enum_backfill import has_native_member
-from accelerate_neuron.builtin._launch_cores import core_for_rank
+from accelerate_neuron.builtin.enum_backfill import has_native_member
+from accelerate_neuron.builtin.launch.cores import core_for_rank
 from helpers import REPO, clean_env
 
 SCRIPTS = Path(__file__).parent / "scripts"

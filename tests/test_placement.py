@@ -17,8 +17,8 @@ import transformers
 from accelerate.utils import modeling as acc_modeling
 
 from accelerate_neuron import device, hookimpl, patching, plugins, tiny
-from accelerate_neuron.builtin import _placement_memory
-from accelerate_neuron.builtin._placement_memory import PlacementError
+from accelerate_neuron.builtin.placement import memory as _placement_memory
+from accelerate_neuron.builtin.placement.memory import PlacementError
 
 FAMILIES = ("qwen3", "llama")
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -404,7 +404,7 @@ def test_every_placement_patch_is_applied_or_skipped_by_feature_detection(unpatc
 
 
 def test_auto_uses_the_fewest_cores_that_hold_the_model() -> None:
-    from accelerate_neuron.builtin._placement_auto import cores_needed
+    from accelerate_neuron.builtin.placement.auto import cores_needed
 
     assert cores_needed(100, [1000, 1000]) == 1
     assert cores_needed(950, [1000, 1000]) == 2  # 90 % headroom: 950 B does not fit one 1000 B core

@@ -108,7 +108,7 @@ def test_argument_parser_gets_the_neuron_defaults(tmp_path: Any) -> None:
 def test_a_launched_run_keeps_accelerates_device() -> None:
     from types import SimpleNamespace
 
-    from accelerate_neuron.builtin._training_args import _neuron_device
+    from accelerate_neuron.builtin.training.args import _neuron_device
 
     cpu = torch.device("cpu")
     launched = SimpleNamespace(
@@ -126,7 +126,7 @@ def test_a_launched_run_keeps_accelerates_device() -> None:
 def test_seq2seq_batches_are_padded_to_buckets_without_changing_content() -> None:
     from transformers import DataCollatorForSeq2Seq
 
-    from accelerate_neuron.builtin._training_shapes import ShapePolicy, bucketing_collator
+    from accelerate_neuron.builtin.training.shapes import ShapePolicy, bucketing_collator
 
     tok = tiny.tokenizer()
     stock = DataCollatorForSeq2Seq(tok)
@@ -144,7 +144,7 @@ def test_seq2seq_batches_are_padded_to_buckets_without_changing_content() -> Non
 def test_collators_that_are_static_or_custom_are_left_alone() -> None:
     from transformers import DataCollatorWithPadding, default_data_collator
 
-    from accelerate_neuron.builtin._training_shapes import ShapePolicy, bucketing_collator
+    from accelerate_neuron.builtin.training.shapes import ShapePolicy, bucketing_collator
 
     tok = tiny.tokenizer()
     policy = ShapePolicy(buckets=(8, 16))
@@ -155,7 +155,7 @@ def test_collators_that_are_static_or_custom_are_left_alone() -> None:
 
 
 def test_bucket_arithmetic() -> None:
-    from accelerate_neuron.builtin._training_shapes import ShapePolicy
+    from accelerate_neuron.builtin.training.shapes import ShapePolicy
 
     policy = ShapePolicy(buckets=(64, 128), pad_to_multiple_of=100)
     assert [policy.target_length(n) for n in (1, 64, 65, 128, 129, 250)] == [64, 64, 128, 128, 200, 300]
@@ -166,7 +166,7 @@ def test_bucket_arithmetic() -> None:
 
 def test_policy_from_env_and_from_a_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
     from accelerate_neuron import hookimpl, plugins
-    from accelerate_neuron.builtin._training_shapes import resolve_policy
+    from accelerate_neuron.builtin.training.shapes import resolve_policy
 
     assert resolve_policy(512).buckets == (64, 128, 256, 512)
     assert resolve_policy(300).buckets == (64, 128, 256, 300)
@@ -192,7 +192,7 @@ def test_policy_from_env_and_from_a_plugin(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_watchdog_names_the_input_and_warns_once(sim: Any, caplog: pytest.LogCaptureFixture) -> None:
-    from accelerate_neuron.builtin._training_watchdog import RecompileWatchdog
+    from accelerate_neuron.builtin.training.watchdog import RecompileWatchdog
 
     torch._dynamo.reset()
     layer = torch.nn.Linear(4, 4).to("neuron")
@@ -234,7 +234,7 @@ def test_watchdog_names_the_input_and_warns_once(sim: Any, caplog: pytest.LogCap
 
 
 def test_watchdog_warmup_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from accelerate_neuron.builtin._training_watchdog import WARMUP_ENV, RecompileWatchdog
+    from accelerate_neuron.builtin.training.watchdog import WARMUP_ENV, RecompileWatchdog
 
     monkeypatch.setenv(WARMUP_ENV, "3")
     assert RecompileWatchdog().warmup == 3
@@ -302,8 +302,8 @@ def test_dataloaders_are_bucketed_and_evaluation_keeps_every_sample(
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The CPU run, the plugin's run and the baselines on the same data (shared: each run compiles)."""
-    from accelerate_neuron.builtin import _training_trainer
-    from accelerate_neuron.builtin._training_shapes import BUCKETS_ENV
+    from accelerate_neuron.builtin.training import trainer as _training_trainer
+    from accelerate_neuron.builtin.training.shapes import BUCKETS_ENV
 
     tmp = tmp_path_factory.mktemp("runs")
     mp = pytest.MonkeyPatch()

@@ -83,6 +83,9 @@ def _activate() -> None:
     from . import device
     from .plugins import disable_setting
 
+    # A device registered later (simulator.install()) is announced through device.py: the
+    # simulator need not know this module exists.
+    device.on_registered(on_device_registered)
     _load_real_backend()
     _maybe_simulate()
     _state.neuron = device.kind()
@@ -211,6 +214,7 @@ def on_device_registered(source: str) -> None:
             refresh_upstream_gates()
 
 
+
 def reapply_patches() -> int:
     """Apply every scheduled patch whose module is imported (after a revert in tests)."""
     from . import patching
@@ -232,10 +236,3 @@ def unpatched() -> Iterator[None]:
         yield
     finally:
         reapply_patches()
-
-
-def reset_for_tests() -> None:
-    """Forget activation so a test can activate again with another environment."""
-    global _state
-    with _lock:
-        _state = ActivationState()

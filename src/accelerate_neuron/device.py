@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.machinery
 import logging
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,6 +21,8 @@ logger = logging.getLogger("accelerate_neuron")
 
 DEVICE_TYPE = "neuron"
 Kind = Literal["real", "simulated"]
+#: Attribute a stand-in device module sets to say it is not Neuron hardware.
+SIMULATED_MARKER = "SIMULATED"
 
 
 def _torch() -> Any:
@@ -43,9 +47,7 @@ def kind() -> Kind | None:
     module = neuron_module()
     if module is None:
         return None
-    from .simulator import is_installed
-
-    return "simulated" if is_installed() else "real"
+    return "simulated" if getattr(module, SIMULATED_MARKER, False) is True else "real"
 
 
 def torch_neuronx_installed() -> bool:
@@ -196,3 +198,29 @@ def runtime_initialized() -> bool:
     except Exception as exc:
         logger.debug("torch.neuron.is_initialized() raised %s", exc)
         return False
+
+
+# --- a device registered after activation -----------------------------------------------------
+# Whoever registers a Neuron device late (the simulator's install()) announces it here; the
+# plugin side subscribes. Neither needs to import the other.
+
+_listeners: list[Callable[[str], None]] = []
+_listeners_lock = threading.Lock()
+
+
+def on_registered(callback: Callable[[str], None]) -> None:
+    """Call ``callback(source)`` whenever a Neuron device is announced as newly registered."""
+    with _listeners_lock:
+        if callback not in _listeners:
+            _listeners.append(callback)
+
+
+def announce_registered(source: str) -> None:
+    """Tell the subscribers that a Neuron device was registered by ``source``; never raises."""
+    with _listeners_lock:
+        callbacks = list(_listeners)
+    for callback in callbacks:
+        try:
+            callback(source)
+        except Exception:
+            logger.warning("accelerate_neuron: a device-registration listener failed", exc_info=True)

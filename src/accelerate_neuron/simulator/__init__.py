@@ -143,9 +143,9 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
         when_imported("torch.distributed", distributed.register)
         logger.info("simulated Neuron device installed: %d core(s) x %d bytes", cores, hbm_bytes)
 
-    from ..activation import on_device_registered
+    from ..device import announce_registered
 
-    on_device_registered("simulator.install()")
+    announce_registered("simulator.install()")
 
 
 def stats() -> dict[str, Any]:

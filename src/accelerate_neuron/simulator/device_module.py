@@ -54,6 +54,9 @@ __all__ = [
 
 DeviceLike = int | str | torch.device | None
 
+#: ``accelerate_neuron.device.kind()`` reads this: "simulated", not Neuron hardware.
+SIMULATED = True
+
 _DEVICE_NAME = "NeuronCore-v3 (simulated)"
 
 

@@ -23,9 +23,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .. import device
-from ._placement_auto import auto_max_memory
-from ._placement_memory import visible_core
+from ... import device
+from .auto import auto_max_memory
+from .memory import visible_core
 
 logger = logging.getLogger("accelerate_neuron")
 
@@ -64,7 +64,7 @@ def wrap_device_map_argument(
     """``original`` with its ``device_map`` argument validated and its Neuron values made ints.
 
     ``auto_policy``: ``device_map="auto"`` without ``max_memory`` uses the
-    fewest cores that hold the model (see ``_placement_auto``).
+    fewest cores that hold the model (see :mod:`.auto`).
     """
     signature = inspect.signature(original)
 

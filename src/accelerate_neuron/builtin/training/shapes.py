@@ -149,7 +149,7 @@ def _validate(answer: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 def resolve_policy(max_length: int | None) -> ShapePolicy:
     """The shape policy for a model of ``max_length`` tokens: env, then plugins, then the default."""
-    from ..plugins import call_hook
+    from ...plugins import call_hook
 
     merged = _validate(default_policy(max_length), "the built-in policy")
     source = "built-in default"

@@ -3,10 +3,10 @@
 - Growing tensors (ids, attention mask, ...) stay on the host even when the
   script did ``inputs.to(model.device)``; forward inputs move to the model's
   device just before each forward; the result returns on the caller's device
-  (``_generation_devices``).
+  (:mod:`.devices`).
 - Static KV cache by default, its length bucketed, and the decode step
   compiled with the ``"neuron"`` backend on every supported Transformers
-  release (``_generation_cache``).
+  release (:mod:`.cache`).
 - Greedy decoding takes the argmax on the device, so one id per row crosses to
   the host instead of the whole logits row.
 
@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 
-from ..hookspecs import hookimpl
-from ..patching import Patch
-from . import _generation_cache as cache
-from . import _generation_devices as devices
+from ...hookspecs import hookimpl
+from ...patching import Patch
+from . import cache, devices
 
 GEN = "transformers.generation.utils"
 _MIXIN = "GenerationMixin"

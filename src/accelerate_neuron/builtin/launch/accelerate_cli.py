@@ -17,9 +17,8 @@ import os
 import threading
 from typing import Any
 
-from .. import device
-from ..patching import Patch
-from ._launch_state import LACKING_OLD, MULTI_NEURON, distributed_type, upstream_has_multi_neuron
+from ... import device
+from .state import MULTI_NEURON, distributed_type
 
 logger = logging.getLogger("accelerate_neuron")
 
@@ -56,7 +55,7 @@ def neuron_config_values(current: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _wrap_write_basic_config(original: Any) -> Any:
+def wrap_write_basic_config(original: Any) -> Any:
     def write_basic_config(*args: Any, **kwargs: Any) -> Any:
         path = original(*args, **kwargs)
         if not path or not neuron_is_the_accelerator():
@@ -75,11 +74,11 @@ def _wrap_write_basic_config(original: Any) -> Any:
 # ------------------------------------------------------------------ the questionnaire
 
 
-def _add_dynamo_neuron(original: list) -> list:
+def add_dynamo_neuron(original: list) -> list:
     return [*original, DYNAMO_NEURON]
 
 
-def _lists_dynamo_neuron(original: list) -> str | None:
+def lists_dynamo_neuron(original: list) -> str | None:
     return "upstream offers NEURON" if DYNAMO_NEURON in original else None
 
 
@@ -93,7 +92,7 @@ _questionnaire = _Questionnaire()
 _STAND_IN = "MULTI_GPU"  # asks the same questions as 1.13+'s MULTI_NEURON flow: machines, processes, core ids
 
 
-def _wrap_ask_options(original: Any) -> Any:
+def wrap_ask_options(original: Any) -> Any:
     def _ask_options(input_text: str, options: Any = (), convert_value: Any = None, default: int = 0) -> Any:
         options = list(options)
         if not neuron_is_the_accelerator():
@@ -120,7 +119,7 @@ def _wrap_ask_options(original: Any) -> Any:
     return _ask_options
 
 
-def _wrap_get_cluster_input(original: Any) -> Any:
+def wrap_get_cluster_input(original: Any) -> Any:
     def get_cluster_input() -> Any:
         _questionnaire.neuron = False
         try:
@@ -143,7 +142,7 @@ def _wrap_get_cluster_input(original: Any) -> Any:
 # ------------------------------------------------------------------ accelerate launch
 
 
-def _wrap_validate_launch_command(original: Any) -> Any:
+def wrap_validate_launch_command(original: Any) -> Any:
     def _validate_launch_command(args: Any) -> Any:
         if neuron_is_the_accelerator() and not getattr(args, "cpu", False):
             _neuron_launch_defaults(args)
@@ -179,7 +178,7 @@ def _neuron_launch_defaults(args: Any) -> None:
         args.multi_gpu = True
 
 
-def _wrap_prepare_multi_gpu_env(original: Any) -> Any:
+def wrap_prepare_multi_gpu_env(original: Any) -> Any:
     def prepare_multi_gpu_env(args: Any) -> dict[str, str]:
         env = original(args)
         gpu_ids = getattr(args, "gpu_ids", None)
@@ -190,65 +189,3 @@ def _wrap_prepare_multi_gpu_env(original: Any) -> Any:
         return env
 
     return prepare_multi_gpu_env
-
-
-def patches() -> list[Patch]:
-    config = "accelerate.commands.config"
-    return [
-        Patch(
-            f"{config}.default",
-            "write_basic_config",
-            _wrap_write_basic_config,
-            reason="`accelerate config default` on Neuron: MULTI_NEURON, one process per visible core, "
-            "dynamo backend NEURON",
-            lacking="accelerate <= 1.12 (a CPU config); 1.13+ (no dynamo backend)",
-            params=("mixed_precision", "save_location"),
-            aliases=("accelerate.utils.other.write_basic_config", "accelerate.utils.write_basic_config"),
-        ),
-        Patch(
-            f"{config}.config_utils",
-            "DYNAMO_BACKENDS",
-            _add_dynamo_neuron,
-            reason="the questionnaire and `accelerate launch --dynamo_backend` offer 'neuron'",
-            lacking="accelerate (DynamoBackend.NEURON exists since 1.15 but is not offered)",
-            aliases=(f"{config}.cluster.DYNAMO_BACKENDS", "accelerate.commands.launch.DYNAMO_BACKENDS"),
-            needed=_lists_dynamo_neuron,
-        ),
-        Patch(
-            f"{config}.cluster",
-            "_ask_options",
-            _wrap_ask_options,
-            reason="the questionnaire preselects the neuron dynamo backend and offers multi-NEURON on a Neuron host",
-            lacking="accelerate (inductor preselected); <= 1.12: no multi-NEURON machine type",
-            params=("input_text", "options", "convert_value", "default"),
-        ),
-        Patch(
-            f"{config}.cluster",
-            "get_cluster_input",
-            _wrap_get_cluster_input,
-            reason="the questionnaire's multi-NEURON answer yields a MULTI_NEURON config",
-            lacking=LACKING_OLD,
-            aliases=(f"{config}.config.get_cluster_input",),
-            needed=upstream_has_multi_neuron,
-        ),
-        Patch(
-            "accelerate.commands.launch",
-            "_validate_launch_command",
-            _wrap_validate_launch_command,
-            reason="`accelerate launch` starts one process per Neuron core for a MULTI_NEURON config "
-            "(or, without a config, when several cores are visible)",
-            lacking=LACKING_OLD + ": one process, or num_processes = torch.cuda.device_count()",
-            params=("args",),
-            needed=upstream_has_multi_neuron,
-        ),
-        Patch(
-            "accelerate.utils.launch",
-            "prepare_multi_gpu_env",
-            _wrap_prepare_multi_gpu_env,
-            reason="`--gpu_ids` / `gpu_ids:` select Neuron cores (NEURON_RT_VISIBLE_CORES)",
-            lacking=LACKING_OLD + ": CUDA_VISIBLE_DEVICES",
-            params=("args",),
-            aliases=("accelerate.utils.prepare_multi_gpu_env", "accelerate.commands.launch.prepare_multi_gpu_env"),
-            needed=upstream_has_multi_neuron,
-        ),
-    ]

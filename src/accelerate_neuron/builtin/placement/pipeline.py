@@ -17,8 +17,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import device
-from ._placement_memory import visible_core
+from ... import device
+from .memory import visible_core
 
 
 def _is_cpu_flag(value: Any) -> bool:

@@ -15,12 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..hookspecs import hookimpl
-from ..patching import Patch
-from . import _placement_dispatch as dispatch
-from . import _placement_memory as memory
-from ._placement_memory import PlacementError
-from ._placement_pipeline import wrap_pipeline_init
+from ...hookspecs import hookimpl
+from ...patching import Patch
+from . import dispatch, memory
+from .memory import PlacementError
+from .pipeline import wrap_pipeline_init
 
 __all__ = ["PlacementError", "neuron_memory_budget", "neuron_patches"]
 

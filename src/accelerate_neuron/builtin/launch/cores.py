@@ -17,9 +17,8 @@ import logging
 import os
 from typing import Any
 
-from .. import device
-from ..patching import Patch
-from ..sizes import parse_core_list
+from ... import device
+from ...sizes import parse_core_list
 
 logger = logging.getLogger("accelerate_neuron")
 
@@ -111,7 +110,7 @@ def _is_neuron_backend(backend: Any) -> bool:
     return text == "neuron" or "neuron:neuron" in text
 
 
-def _wrap_init_process_group(original: Any) -> Any:
+def wrap_init_process_group(original: Any) -> Any:
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         neuron = _is_neuron_backend(backend) and local_rank() is not None
         if neuron:
@@ -137,7 +136,7 @@ def _module_device(module: Any) -> Any:
 _warned_ddp = False
 
 
-def _wrap_ddp_init(original: Any) -> Any:
+def wrap_ddp_init(original: Any) -> Any:
     def __init__(self: Any, module: Any, device_ids: Any = None, output_device: Any = None, *args: Any, **kwargs: Any):
         global _warned_ddp
         where = _module_device(module)
@@ -162,26 +161,3 @@ def _wrap_ddp_init(original: Any) -> Any:
         return original(self, module, device_ids, output_device, *args, **kwargs)
 
     return __init__
-
-
-def patches() -> list[Patch]:
-    return [
-        Patch(
-            "torch.distributed.distributed_c10d",
-            "init_process_group",
-            _wrap_init_process_group,
-            reason="each rank uses its own Neuron core, also when NEURON_RT_VISIBLE_CORES lists the job's cores",
-            lacking="torch-neuronx (ProcessGroupNeuron narrows only an unset NEURON_RT_VISIBLE_CORES)",
-            params=("backend",),
-            aliases=("torch.distributed.init_process_group", "torch.distributed.device_mesh.init_process_group"),
-        ),
-        Patch(
-            "torch.nn.parallel.distributed",
-            "DistributedDataParallel.__init__",
-            _wrap_ddp_init,
-            reason="DDP device_ids must name the module's core: accelerate passes the local rank, "
-            "but each process sees only its own core (index 0)",
-            lacking="accelerate (all releases: device_ids=[local_process_index] except on HPU)",
-            params=("module", "device_ids", "output_device"),
-        ),
-    ]

@@ -17,11 +17,10 @@ import logging
 import weakref
 from typing import Any
 
-from .. import device
-from ..patching import Patch
-from ._training_args import DROP_LAST_ATTR
-from ._training_shapes import BUCKETS_ENV, ShapePolicy, bucketing_collator, collator_max_length, resolve_policy
-from ._training_watchdog import RecompileWatchdog
+from ... import device
+from .args import DROP_LAST_ATTR
+from .shapes import BUCKETS_ENV, ShapePolicy, bucketing_collator, collator_max_length, resolve_policy
+from .watchdog import RecompileWatchdog
 
 logger = logging.getLogger("accelerate_neuron")
 
@@ -52,7 +51,7 @@ def trainer_policy(trainer: Any) -> ShapePolicy:
     return resolve_policy(collator_max_length(collator, model_max_length(getattr(trainer, "model", None))))
 
 
-def _wrap_get_dataloader(original: Any) -> Any:
+def wrap_get_dataloader(original: Any) -> Any:
     signature = inspect.signature(original)
 
     def _get_dataloader(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -135,7 +134,7 @@ def _watchdog_callback(trainer: Any, watchdog: RecompileWatchdog) -> Any:
     return NeuronRecompileWatchdog()
 
 
-def _wrap_trainer_init(original: Any) -> Any:
+def wrap_trainer_init(original: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         try:
@@ -160,25 +159,3 @@ def _wrap_trainer_init(original: Any) -> Any:
             logger.debug("accelerate_neuron: recompile watchdog not installed", exc_info=True)
 
     return __init__
-
-
-def patches() -> list[Patch]:
-    return [
-        Patch(
-            "transformers.trainer",
-            "Trainer._get_dataloader",
-            _wrap_get_dataloader,
-            reason="on Neuron with torch_compile, stock collators' batches are padded to a few length buckets "
-            "(neuron_training_shape_policy) so training compiles a few graphs, not one per length",
-            lacking="every release",
-            params=("dataset", "description", "batch_size", "is_training"),
-        ),
-        Patch(
-            "transformers.trainer",
-            "Trainer.__init__",
-            _wrap_trainer_init,
-            reason="a recompile after warm-up names the input whose shape changed and the fix",
-            lacking="every release",
-            params=("model", "args"),
-        ),
-    ]

@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import device
-from ..sizes import format_size
+from ... import device
+from ...sizes import format_size
 
 logger = logging.getLogger("accelerate_neuron")
 

@@ -25,8 +25,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..plugins import call_hook
-from ._generation_devices import model_device
+from ...plugins import call_hook
+from .devices import model_device
 
 logger = logging.getLogger("accelerate_neuron")
 

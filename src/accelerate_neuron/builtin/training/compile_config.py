@@ -14,9 +14,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..patching import Patch
-from ._enum_backfill import dynamo_backend_neuron
-
 DEFAULT_CONFIG: dict[str, Any] = {"backend": "neuron", "dynamic": False, "fullgraph": False, "mode": None}
 _KEYS = {"backend": (str,), "dynamic": (bool, type(None)), "fullgraph": (bool,), "mode": (str, type(None))}
 DYNAMO_ENV = "ACCELERATE_DYNAMO_USE_DYNAMIC"
@@ -24,7 +21,7 @@ DYNAMO_ENV = "ACCELERATE_DYNAMO_USE_DYNAMIC"
 
 def train_compile_config() -> dict[str, Any]:
     """``neuron_compile_config(purpose="train")`` over the built-in defaults, validated."""
-    from ..plugins import call_hook
+    from ...plugins import call_hook
 
     answer = call_hook("neuron_compile_config", purpose="train")
     if answer is None:
@@ -48,7 +45,7 @@ def _is_neuron_backend(backend: Any) -> bool:
     return isinstance(value, str) and value.lower() == "neuron"
 
 
-def _wrap_dynamo_post_init(original: Any) -> Any:
+def wrap_dynamo_post_init(original: Any) -> Any:
     def __post_init__(self: Any) -> None:
         original(self)
         # Only an unset ``dynamic`` (field None and no ACCELERATE_DYNAMO_USE_DYNAMIC) gets the default.
@@ -58,7 +55,7 @@ def _wrap_dynamo_post_init(original: Any) -> Any:
     return __post_init__
 
 
-def _dynamo_needed(_original: Any) -> str | None:
+def dynamo_needed(_original: Any) -> str | None:
     from accelerate.utils.dataclasses import DynamoBackend, TorchDynamoPlugin
 
     if "NEURON" not in DynamoBackend.__members__:
@@ -72,19 +69,3 @@ def _dynamo_needed(_original: Any) -> str | None:
     if probe.dynamic is False:
         return "upstream TorchDynamoPlugin already compiles the neuron backend with dynamic=False"
     return None
-
-
-def patches() -> list[Patch]:
-    return [
-        *dynamo_backend_neuron(),
-        Patch(
-            "accelerate.utils.dataclasses",
-            "TorchDynamoPlugin.__post_init__",
-            _wrap_dynamo_post_init,
-            reason="the neuron compile backend needs static shapes: an unset `dynamic` becomes False "
-            "(neuron_compile_config('train'))",
-            lacking="every release (only the 5.x Trainer passes dynamic=False)",
-            params=("self",),
-            needed=_dynamo_needed,
-        ),
-    ]

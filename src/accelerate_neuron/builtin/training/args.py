@@ -29,9 +29,8 @@ import logging
 import os
 from typing import Any
 
-from .. import device
-from ..patching import Patch
-from ._training_compile import train_compile_config
+from ... import device
+from .compile_config import train_compile_config
 
 logger = logging.getLogger("accelerate_neuron")
 
@@ -79,7 +78,7 @@ def explicit_fields(args: Any) -> frozenset[str] | None:
     return getattr(args, "__dict__", {}).get(EXPLICIT_ATTR)
 
 
-def _wrap_init(original: Any) -> Any:
+def wrap_init(original: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
             self.__dict__[EXPLICIT_ATTR] = _explicit_names(type(self), args, kwargs)
@@ -116,7 +115,7 @@ def _check_fp16(args: Any) -> None:
         )
 
 
-def _wrap_post_init(original: Any) -> Any:
+def wrap_post_init(original: Any) -> Any:
     def __post_init__(self: Any) -> None:
         neuron = targets_neuron(self)
         if neuron:
@@ -147,7 +146,7 @@ def _default_drop_last(args: Any) -> None:
         return
     if explicit is None and args.dataloader_drop_last:
         return
-    from ._training_shapes import resolve_policy
+    from .shapes import resolve_policy
 
     wanted = resolve_policy(None).drop_last
     if wanted and not args.dataloader_drop_last:
@@ -164,7 +163,7 @@ def _default_drop_last(args: Any) -> None:
 # ------------------------------------------------------------ device (4.x)
 
 
-def _wrap_setup_devices(original: Any) -> Any:
+def wrap_setup_devices(original: Any) -> Any:
     func = original.func
 
     def _setup_devices(self: Any) -> Any:
@@ -203,7 +202,7 @@ def _neuron_device(args: Any, found: Any) -> Any:
     return chosen
 
 
-def _setup_devices_needed(original: Any) -> str | None:
+def setup_devices_needed(original: Any) -> str | None:
     func = getattr(original, "func", None)
     if func is None:
         return f"_setup_devices is no longer a cached_property ({type(original).__name__})"
@@ -219,62 +218,14 @@ def _setup_devices_needed(original: Any) -> str | None:
 # ------------------------------------------------------------ bf16 (4.x)
 
 
-def _wrap_bf16_gate(original: Any) -> Any:
+def wrap_bf16_gate(original: Any) -> Any:
     def is_torch_bf16_gpu_available(*args: Any, **kwargs: Any) -> bool:
         return bool(original(*args, **kwargs)) or device.supports_bf16()
 
     return is_torch_bf16_gpu_available
 
 
-def _bf16_needed(original: Any) -> str | None:
+def bf16_needed(original: Any) -> str | None:
     if original():
         return "upstream already reports bf16 support on this Neuron device"
     return None
-
-
-def patches() -> list[Patch]:
-    args_module = "transformers.training_args"
-    return [
-        *(
-            Patch(
-                module,
-                f"{cls}.__init__",
-                _wrap_init,
-                reason="records which fields the user passed, so the Neuron defaults never override an explicit choice",
-                lacking="every release",
-            )
-            for module, cls in (
-                (args_module, "TrainingArguments"),
-                (f"{args_module}_seq2seq", "Seq2SeqTrainingArguments"),
-            )
-        ),
-        Patch(
-            args_module,
-            "TrainingArguments.__post_init__",
-            _wrap_post_init,
-            reason="on Neuron: fp16 refused with a pointer to bf16, torch_compile_backend defaults to "
-            "neuron_compile_config('train'), dataloader_drop_last defaults to True with torch_compile",
-            lacking="every release (4.x: the backend defaults to inductor)",
-            params=("self",),
-        ),
-        Patch(
-            args_module,
-            "TrainingArguments._setup_devices",
-            _wrap_setup_devices,
-            reason="a single process trains on neuron:0 (4.x falls back to the CPU without CUDA)",
-            lacking="transformers 4.x",
-            needed=_setup_devices_needed,
-        ),
-        Patch(
-            "transformers.utils.import_utils",
-            "is_torch_bf16_gpu_available",
-            _wrap_bf16_gate,
-            reason="bf16=True is accepted on Neuron (4.x raises 'Your setup doesn't support bf16/gpu')",
-            lacking="transformers 4.x",
-            aliases=(
-                "transformers.training_args.is_torch_bf16_gpu_available",
-                "transformers.utils.is_torch_bf16_gpu_available",
-            ),
-            needed=_bf16_needed,
-        ),
-    ]

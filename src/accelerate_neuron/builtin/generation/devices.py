@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from .. import device as neuron_device
-from ..plugins import call_hook
+from ... import device as neuron_device
+from ...plugins import call_hook
 
 #: Keyword arguments of ``generate`` that the loop grows, or that decide the
 #: device of what it grows (``inputs_tensor.device`` in upstream's code).

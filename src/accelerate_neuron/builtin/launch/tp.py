@@ -14,12 +14,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import device
-from ..patching import Patch
-from ._launch_cores import bind_local_core, narrow_visible_cores
+from ... import device
+from .cores import bind_local_core, narrow_visible_cores
 
 
-def _wrap_bind_local_device(original: Any) -> Any:
+def wrap_bind_local_device(original: Any) -> Any:
     def _bind_local_device(device_type: str, local_rank: int) -> Any:
         if device_type != device.DEVICE_TYPE:
             return original(device_type, local_rank)
@@ -36,7 +35,7 @@ def _wrap_bind_local_device(original: Any) -> Any:
     return _bind_local_device
 
 
-def _wrap_initialize_tensor_parallelism(original: Any) -> Any:
+def wrap_initialize_tensor_parallelism(original: Any) -> Any:
     def initialize_tensor_parallelism(tp_plan: Any, tp_size: Any = None) -> Any:
         import torch
 
@@ -60,32 +59,7 @@ def _wrap_initialize_tensor_parallelism(original: Any) -> Any:
     return initialize_tensor_parallelism
 
 
-def _binds_through_bind_local_device(original: Any) -> str | None:
+def binds_through_bind_local_device(original: Any) -> str | None:
     if getattr(original, "__module__", "") != "transformers.integrations.tensor_parallel":
         return "upstream binds the device through transformers.distributed.utils._bind_local_device (patched)"
     return None
-
-
-def patches() -> list[Patch]:
-    return [
-        Patch(
-            "transformers.distributed.utils",
-            "_bind_local_device",
-            _wrap_bind_local_device,
-            reason="DistributedConfig / tp_plan under torchrun: no device use before init_process_group, "
-            "and each rank binds its own Neuron core",
-            lacking="transformers 5.x (set_device_index(LOCAL_RANK) before init_process_group)",
-            params=("device_type", "local_rank"),
-        ),
-        Patch(
-            "transformers.integrations.tensor_parallel",
-            "initialize_tensor_parallelism",
-            _wrap_initialize_tensor_parallelism,
-            reason="from_pretrained(tp_plan='auto') under torchrun uses the 'neuron' process group and "
-            "each rank's own core",
-            lacking="transformers 4.57 (no neuron backend; set_device(LOCAL_RANK))",
-            params=("tp_plan", "tp_size"),
-            aliases=("transformers.modeling_utils.initialize_tensor_parallelism",),
-            needed=_binds_through_bind_local_device,
-        ),
-    ]

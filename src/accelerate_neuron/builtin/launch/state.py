@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import device
-from ..patching import Patch
-from ._enum_backfill import has_native_member
-from ._launch_cores import bind_local_core, local_rank
+from ... import device
+from ..enum_backfill import has_native_member
+from .cores import bind_local_core, local_rank
 
 MULTI_NEURON = "MULTI_NEURON"
 LACKING_OLD = "accelerate <= 1.12 (no DistributedType.MULTI_NEURON)"
@@ -45,7 +44,7 @@ def upstream_has_multi_neuron(_original: Any = None) -> str | None:
 # ------------------------------------------------------------------ all releases
 
 
-def _wrap_set_device(original: Any) -> Any:
+def wrap_set_device(original: Any) -> Any:
     def set_device(self: Any) -> None:
         if self.device is None and self.distributed_type == MULTI_NEURON:
             import torch
@@ -57,7 +56,7 @@ def _wrap_set_device(original: Any) -> Any:
     return set_device
 
 
-def _wrap_wait_for_everyone(original: Any) -> Any:
+def wrap_wait_for_everyone(original: Any) -> Any:
     def wait_for_everyone(self: Any) -> None:
         if self.distributed_type == MULTI_NEURON:
             import torch
@@ -73,7 +72,7 @@ def _wrap_wait_for_everyone(original: Any) -> Any:
 # ------------------------------------------------------------------ accelerate <= 1.12
 
 
-def _wrap_prepare_backend(original: Any) -> Any:
+def wrap_prepare_backend(original: Any) -> Any:
     def _prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None) -> Any:
         chosen, dist_type = original(self, cpu, sagemaker_dp, backend)
         rank = local_rank()
@@ -92,7 +91,7 @@ def _wrap_prepare_backend(original: Any) -> Any:
     return _prepare_backend
 
 
-def _wrap_default_device(original: property) -> property:
+def wrap_default_device(original: property) -> property:
     def default_device(self: Any) -> Any:
         chosen = original.fget(self)
         if chosen.type == "cpu" and device.is_available():
@@ -104,22 +103,22 @@ def _wrap_default_device(original: property) -> property:
     return property(default_device, doc=original.__doc__)
 
 
-def _wrap_multi_device(original: property) -> property:
+def wrap_multi_device(original: property) -> property:
     def multi_device(self: Any) -> bool:
         return bool(original.fget(self)) or (self.use_distributed and self.distributed_type == MULTI_NEURON)
 
     return property(multi_device, doc=original.__doc__)
 
 
-def _add_multi_neuron(original: list) -> list:
+def add_multi_neuron(original: list) -> list:
     return [*original, MULTI_NEURON]
 
 
-def _lists_multi_neuron(original: list) -> str | None:
+def lists_multi_neuron(original: list) -> str | None:
     return "upstream lists MULTI_NEURON" if MULTI_NEURON in original else None
 
 
-def _wrap_autocast(original: Any) -> Any:
+def wrap_autocast(original: Any) -> Any:
     def get_mixed_precision_context_manager(native_amp: bool = False, autocast_kwargs: Any = None) -> Any:
         from accelerate.state import AcceleratorState
 
@@ -134,7 +133,7 @@ def _wrap_autocast(original: Any) -> Any:
     return get_mixed_precision_context_manager
 
 
-def _wrap_synchronize_rng_state(original: Any) -> Any:
+def wrap_synchronize_rng_state(original: Any) -> Any:
     def synchronize_rng_state(rng_type: Any = None, generator: Any = None) -> Any:
         from accelerate.state import AcceleratorState
 
@@ -161,83 +160,3 @@ def _wrap_synchronize_rng_state(original: Any) -> Any:
         return None
 
     return synchronize_rng_state
-
-
-def patches() -> list[Patch]:
-    state, accel, utils = "accelerate.state", "accelerate.accelerator", "accelerate.utils"
-    return [
-        Patch(
-            state,
-            "PartialState.set_device",
-            _wrap_set_device,
-            reason="rank r trains on its own Neuron core",
-            lacking="accelerate 1.15 (torch.neuron.current_device(): core 0 for every rank when the job sees "
-            "several cores); accelerate <= 1.12 (no neuron branch)",
-            params=("self",),
-        ),
-        Patch(
-            state,
-            "PartialState.wait_for_everyone",
-            _wrap_wait_for_everyone,
-            reason="the barrier must name this process's core, not its local rank",
-            lacking="accelerate (barrier(device_ids=[local_process_index])); <= 1.12: no barrier for MULTI_NEURON",
-            params=("self",),
-        ),
-        Patch(
-            state,
-            "PartialState._prepare_backend",
-            _wrap_prepare_backend,
-            reason="under torchrun / accelerate launch, Neuron ranks use the 'neuron' process group (MULTI_NEURON)",
-            lacking=LACKING_OLD + ": MULTI_CPU + gloo on a Neuron host",
-            params=("cpu", "sagemaker_dp", "backend"),
-            needed=upstream_has_multi_neuron,
-        ),
-        Patch(
-            state,
-            "PartialState.default_device",
-            _wrap_default_device,
-            reason="a single process uses the Neuron device",
-            lacking=LACKING_OLD + ": cpu",
-            needed=upstream_has_multi_neuron,
-        ),
-        Patch(
-            accel,
-            "Accelerator.multi_device",
-            _wrap_multi_device,
-            reason="prepare_model wraps the model in DDP (gradients all-reduced) under MULTI_NEURON",
-            lacking=LACKING_OLD,
-            needed=upstream_has_multi_neuron,
-        ),
-        Patch(
-            f"{utils}.constants",
-            "TORCH_DISTRIBUTED_OPERATION_TYPES",
-            _add_multi_neuron,
-            reason="accelerator.gather / reduce / broadcast / pad_across_processes use torch.distributed",
-            lacking=LACKING_OLD,
-            aliases=(
-                f"{utils}.operations.TORCH_DISTRIBUTED_OPERATION_TYPES",
-                f"{utils}.TORCH_DISTRIBUTED_OPERATION_TYPES",
-            ),
-            needed=_lists_multi_neuron,
-        ),
-        Patch(
-            f"{utils}.modeling",
-            "get_mixed_precision_context_manager",
-            _wrap_autocast,
-            reason="bf16 mixed precision autocasts to bfloat16 under MULTI_NEURON",
-            lacking=LACKING_OLD + " (autocast without dtype, i.e. the device default)",
-            params=("native_amp", "autocast_kwargs"),
-            aliases=(f"{utils}.get_mixed_precision_context_manager", f"{accel}.get_mixed_precision_context_manager"),
-            needed=upstream_has_multi_neuron,
-        ),
-        Patch(
-            f"{utils}.random",
-            "synchronize_rng_state",
-            _wrap_synchronize_rng_state,
-            reason="ranks shuffle data identically (rank 0's RNG state broadcast)",
-            lacking=LACKING_OLD + ": no synchronisation",
-            params=("rng_type", "generator"),
-            aliases=(f"{utils}.synchronize_rng_state",),
-            needed=upstream_has_multi_neuron,
-        ),
-    ]

@@ -17,8 +17,8 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import device
-from ..plugins import call_hook
+from ... import device
+from ...plugins import call_hook
 
 logger = logging.getLogger("accelerate_neuron")
 

@@ -1,0 +1,121 @@
+"""Built-in plugin ``training``: stock training scripts on Neuron, compiling few graphs.
+
+- ``TrainingArguments`` (:mod:`.args`): ``neuron:0`` for a single
+  process (a launched run keeps the rank's core from Accelerate's state),
+  ``bf16=True`` accepted, ``fp16=True`` refused with a pointer to bf16,
+  ``torch_compile=True`` -> backend ``"neuron"``, ``dataloader_drop_last``
+  on by default with compile.
+- compile settings (:mod:`.compile_config`): ``DynamoBackend.NEURON`` backfilled
+  (:mod:`..enum_backfill`), ``dynamic=False`` for the neuron backend in
+  Accelerate's ``TorchDynamoPlugin``.
+- static shapes (:mod:`.shapes`): stock collators' batches padded to
+  length buckets (``neuron_training_shape_policy``), wired into the Trainer by
+  :mod:`.trainer`.
+- recompile watchdog (:mod:`.watchdog`).
+
+Hooks implemented: ``neuron_compile_config`` (purpose ``"train"``),
+``neuron_training_shape_policy``. Nothing here imports transformers or
+accelerate: patches are applied when those modules are imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...hookspecs import hookimpl
+from ...patching import Patch
+from ..enum_backfill import dynamo_backend_neuron
+from . import args, compile_config, shapes, trainer
+
+_ARGS = "transformers.training_args"
+
+
+@hookimpl
+def neuron_patches() -> list[Patch]:
+    return [
+        # --- torch.compile settings
+        *dynamo_backend_neuron(),
+        Patch(
+            "accelerate.utils.dataclasses",
+            "TorchDynamoPlugin.__post_init__",
+            compile_config.wrap_dynamo_post_init,
+            reason="the neuron compile backend needs static shapes: an unset `dynamic` becomes False "
+            "(neuron_compile_config('train'))",
+            lacking="every release (only the 5.x Trainer passes dynamic=False)",
+            params=("self",),
+            needed=compile_config.dynamo_needed,
+        ),
+        # --- TrainingArguments
+        *(
+            Patch(
+                module,
+                f"{cls}.__init__",
+                args.wrap_init,
+                reason="records which fields the user passed, so the Neuron defaults never override an explicit choice",
+                lacking="every release",
+            )
+            for module, cls in (
+                (_ARGS, "TrainingArguments"),
+                (f"{_ARGS}_seq2seq", "Seq2SeqTrainingArguments"),
+            )
+        ),
+        Patch(
+            _ARGS,
+            "TrainingArguments.__post_init__",
+            args.wrap_post_init,
+            reason="on Neuron: fp16 refused with a pointer to bf16, torch_compile_backend defaults to "
+            "neuron_compile_config('train'), dataloader_drop_last defaults to True with torch_compile",
+            lacking="every release (4.x: the backend defaults to inductor)",
+            params=("self",),
+        ),
+        Patch(
+            _ARGS,
+            "TrainingArguments._setup_devices",
+            args.wrap_setup_devices,
+            reason="a single process trains on neuron:0 (4.x falls back to the CPU without CUDA)",
+            lacking="transformers 4.x",
+            needed=args.setup_devices_needed,
+        ),
+        Patch(
+            "transformers.utils.import_utils",
+            "is_torch_bf16_gpu_available",
+            args.wrap_bf16_gate,
+            reason="bf16=True is accepted on Neuron (4.x raises 'Your setup doesn't support bf16/gpu')",
+            lacking="transformers 4.x",
+            aliases=(
+                "transformers.training_args.is_torch_bf16_gpu_available",
+                "transformers.utils.is_torch_bf16_gpu_available",
+            ),
+            needed=args.bf16_needed,
+        ),
+        # --- Trainer: static batch shapes, recompile watchdog
+        Patch(
+            "transformers.trainer",
+            "Trainer._get_dataloader",
+            trainer.wrap_get_dataloader,
+            reason="on Neuron with torch_compile, stock collators' batches are padded to a few length buckets "
+            "(neuron_training_shape_policy) so training compiles a few graphs, not one per length",
+            lacking="every release",
+            params=("dataset", "description", "batch_size", "is_training"),
+        ),
+        Patch(
+            "transformers.trainer",
+            "Trainer.__init__",
+            trainer.wrap_trainer_init,
+            reason="a recompile after warm-up names the input whose shape changed and the fix",
+            lacking="every release",
+            params=("model", "args"),
+        ),
+    ]
+
+
+@hookimpl
+def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
+    if purpose != "train":
+        return None
+    return dict(compile_config.DEFAULT_CONFIG)
+
+
+@hookimpl
+def neuron_training_shape_policy(max_length: int | None) -> dict[str, Any] | None:
+    return shapes.default_policy(max_length)

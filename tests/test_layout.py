@@ -1,0 +1,103 @@
+"""The package's layering, read from the source: imports point down, the simulator stands alone.
+
+Layers, top to bottom (a module may import its own layer and the layers below):
+cli / status report -> plugin side (activation, plugins, builtin/...) -> simulator -> base.
+The simulator imports only the base, so a reader (or a user of only the plugin) can skip it, and
+the only plugin-side module that imports it is ``activation`` (installing it on request).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "accelerate_neuron"
+BASE = {"device", "sizes", "import_hooks", "tiny"}
+PLUGIN_SIDE = {"activation", "plugins", "hookspecs", "patching", "builtin", "_autoload"}
+TOP = {"cli", "status_report", "__main__", "__init__"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Dotted names (relative to the package) of the package modules ``name`` imports."""
+    # names keep "__init__" (a/b/__init__.py is "a.b.__init__"), so the package is all but the last part
+    package_parts = name.split(".")[:-1]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if not (node.module or "").startswith("accelerate_neuron"):
+                    continue
+                base = (node.module or "").split(".")[1:]
+            else:
+                keep = len(package_parts) - (node.level - 1)
+                base = package_parts[:keep] + ((node.module or "").split(".") if node.module else [])
+            if base:
+                targets.add(".".join(base))
+            for alias in node.names:
+                targets.add(".".join([*base, alias.name]))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("accelerate_neuron."):
+                    targets.add(alias.name.split(".", 1)[1])
+    known = _modules()
+    return {t for t in targets if t in known or f"{t}.__init__" in known}
+
+
+def _layer(module: str) -> str:
+    head = module.split(".")[0]
+    if head in BASE:
+        return "base"
+    if head == "simulator":
+        return "simulator"
+    if head in PLUGIN_SIDE:
+        return "plugin"
+    if head in TOP:
+        return "top"
+    raise AssertionError(f"module {module!r} is in no layer: add it to tests/test_layout.py and README's layout")
+
+
+_ORDER = {"base": 0, "simulator": 1, "plugin": 2, "top": 3}
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_imports_point_down(module: str) -> None:
+    path = _modules()[module]
+    layer = _layer(module)
+    for target in _imports(module, path):
+        target_layer = _layer(target)
+        if layer == "plugin" and target_layer == "simulator":
+            # activation installs the simulator on ACCELERATE_NEURON_SIMULATE: the one allowed edge
+            assert module == "activation", f"{module} imports the simulator ({target}); only activation may"
+            continue
+        assert _ORDER[target_layer] <= _ORDER[layer], f"{module} ({layer}) imports {target} ({target_layer})"
+
+
+def test_simulator_imports_only_the_base() -> None:
+    outside = {
+        (module, target)
+        for module, path in _modules().items()
+        if module.startswith("simulator")
+        for target in _imports(module, path)
+        if not target.startswith("simulator")
+    }
+    assert {target for _, target in outside} <= BASE, sorted(outside)
+
+
+def test_builtin_plugins_are_packages() -> None:
+    from accelerate_neuron.plugins import BUILTIN_PLUGINS
+
+    for name, module in BUILTIN_PLUGINS.items():
+        assert module == f"accelerate_neuron.builtin.{name}"
+        assert (PACKAGE / "builtin" / name / "__init__.py").is_file(), name
+    stray = [p.name for p in (PACKAGE / "builtin").glob("_*.py") if p.name != "__init__.py"]
+    assert not stray, f"prefix-named helpers belong in their feature's package: {stray}"
