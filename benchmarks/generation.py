@@ -25,7 +25,20 @@ microseconds per step are reported too.
 A second table counts compiled graphs across 10 different ``max_new_tokens``
 (each run stopped after 2 tokens: the cache is sized by ``max_new_tokens``).
 
-    python benchmarks/generation.py [--tokens 8 16 32] [--vocab 32000] [--output FILE]
+The workload section is a job the defaults were not tuned for: ``--prompts``
+prompts (default 48) whose token lengths are drawn from a lognormal
+distribution (median 64 tokens, sigma 1.0, clipped to 8-1,024), grouped into
+batches of mixed sizes (1, 2, 3, 4, 6 or 8 prompts, uniformly drawn, left
+padded), ``max_new_tokens=16``, greedy, on a tiny Qwen3 with a 2,048-token
+context. Patched (prompt and batch buckets, compiled prefill) against the
+seed's stock recipe (``cache_implementation="static"``, inputs on the host
+where the release allows it, else on the device) in the same process: compiled
+graphs, eager signatures, the cost model's first-run compile time on Trainium,
+padding overhead (padded tokens processed / real tokens) and CPU wall time.
+Every patched result is checked against the stock one.
+
+    python benchmarks/generation.py [--tokens 8 16 32] [--vocab 32000] [--prompts 48] [--seed 0]
+                                    [--only workload|steps] [--output FILE]
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ import os
 import sys
 import time
 
-os.environ.setdefault("ACCELERATE_NEURON_SIMULATE", "1")
+os.environ.setdefault("ACCELERATE_NEURON_SIMULATE", "2")  # the workload's split model uses the second core
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -47,6 +60,8 @@ import accelerate_neuron
 from accelerate_neuron import activation, hookimpl, plugins, simulator, tiny
 from accelerate_neuron.builtin.generation import cache as gcache
 from accelerate_neuron.builtin.generation import devices as gdev
+from accelerate_neuron.builtin.generation import shapes
+from accelerate_neuron.cli._costs import describe, estimate
 
 PROMPT = "the neuron core runs the compiled graph"
 BUCKET_LENGTHS = [3, 7, 12, 20, 28, 35, 44, 52, 61, 70]
@@ -153,13 +168,161 @@ def _graphs_across_lengths(vocab: int, enc: dict, **kwargs) -> int:
     return simulator.stats()["compiles"]
 
 
+WORKLOAD_CONTEXT = 2048
+WORKLOAD_NEW_TOKENS = 16
+BATCH_CHOICES = (1, 2, 3, 4, 6, 8)
+
+
+def workload_batches(prompts: int, seed: int, vocab: int) -> list[list[list[int]]]:
+    """Batches of token-id prompts: lognormal lengths (median 64, sigma 1, 8-1,024), mixed batch sizes."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.empty(prompts).log_normal_(mean=4.1589, std=1.0, generator=gen).round().clamp(8, 1024).long()
+    ids = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+    batches, i = [], 0
+    while i < len(ids):
+        size = BATCH_CHOICES[int(torch.randint(len(BATCH_CHOICES), (1,), generator=gen))]
+        batches.append(ids[i : i + size])
+        i += size
+    return batches
+
+
+def _left_padded(batch: list[list[int]]) -> dict[str, torch.Tensor]:
+    width = max(map(len, batch))
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(batch):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _run_workload(model, batches, stock: bool, fresh: bool = True) -> dict:
+    if fresh:  # a new process: nothing compiled yet
+        torch._dynamo.reset()
+    simulator.reset_stats()
+    host_inputs = stock and not transformers.__version__.startswith("4.")  # 4.x refuses host inputs
+    outputs = []
+    start = time.perf_counter()
+    for batch in batches:
+        enc = _left_padded(batch)
+        if not host_inputs:
+            enc = {k: v.to(model.device) for k, v in enc.items()}
+        kwargs = {"cache_implementation": "static"} if stock else {}
+        out = model.generate(**enc, max_new_tokens=WORKLOAD_NEW_TOKENS, do_sample=False, **kwargs)
+        outputs.append(out.cpu())
+    seconds = time.perf_counter() - start
+    stats = simulator.stats()
+    return {"stats": stats, "seconds": seconds, "outputs": outputs, "host_inputs": host_inputs}
+
+
+def _workload_model(vocab: int):
+    return tiny.model("qwen3", vocab_size=vocab, initializer_range=0.3, max_position_embeddings=WORKLOAD_CONTEXT)
+
+
+def _split_model(vocab: int):
+    from accelerate import dispatch_model
+
+    device_map = {"model.embed_tokens": 0, "lm_head": 0, "model.rotary_emb": 0, "model.layers.0": 0}
+    device_map.update({"model.layers.1": 1, "model.norm": 1})
+    return dispatch_model(_workload_model(vocab), device_map)
+
+
+def workload_section(args) -> list[str]:
+    batches = workload_batches(args.prompts, args.seed, args.vocab)
+    more = workload_batches(args.prompts, args.seed + 1, args.vocab)  # the job goes on: new prompts, same process
+    model = _workload_model(args.vocab).to("neuron")
+    patched = _run_workload(model, batches, stock=False)
+    patched_more = _run_workload(model, more, stock=False, fresh=False)
+    with activation.unpatched():
+        stock = _run_workload(model, batches, stock=True)
+        stock_more = _run_workload(model, more, stock=True, fresh=False)
+    same = all(
+        torch.equal(a, b)
+        for x, y in ((patched, stock), (patched_more, stock_more))
+        for a, b in zip(x["outputs"], y["outputs"], strict=True)
+    )
+    split = _split_model(args.vocab)
+    split_patched = _run_workload(split, batches, stock=False)
+    os.environ[shapes.PROMPT_BUCKETS_ENV] = os.environ[shapes.BATCH_BUCKETS_ENV] = "off"
+    try:
+        split_unbucketed = _run_workload(split, batches, stock=False)
+    finally:
+        del os.environ[shapes.PROMPT_BUCKETS_ENV], os.environ[shapes.BATCH_BUCKETS_ENV]
+    same &= all(torch.equal(a, b) for a, b in zip(split_patched["outputs"], stock["outputs"], strict=True))
+    policy = shapes.resolve_policy(WORKLOAD_CONTEXT)
+    # Positions run through the model: the prefill's (rows x prompt columns) plus one per row per decode step.
+    steps = WORKLOAD_NEW_TOKENS - 1
+    real = sum(len(p) + steps for b in batches for p in b)
+    padded = split_padded = 0
+    for b in batches:
+        width = max(map(len, b))
+        bucket = policy.prompt_bucket(width) or width
+        padded += (policy.batch_bucket(len(b)) or len(b)) * (bucket + steps)
+        split_padded += len(b) * (bucket + steps)
+    stock_tokens = sum(len(b) * (max(map(len, b)) + steps) for b in batches)  # upstream pads a batch to its longest
+    lengths = sorted(len(p) for b in batches for p in b)
+    sizes = [len(b) for b in batches]
+    rows = []
+    for name, run, then, tokens in (
+        ("accelerate-neuron", patched, patched_more, padded),
+        ("stock + static", stock, stock_more, stock_tokens),
+        ("accelerate-neuron, model split over 2 cores (eager, prompt buckets only)", split_patched, None, split_padded),
+        ("accelerate-neuron, model split over 2 cores, buckets off", split_unbucketed, None, stock_tokens),
+    ):
+        stats = run["stats"]
+        graphs = stats["compiles"]
+        cost = estimate(graphs, stats["eager_signatures"])
+        if then is None:
+            later = "-"
+        else:
+            extra = estimate(then["stats"]["compiles"], then["stats"]["eager_signatures"])
+            later = (
+                f"{then['stats']['compiles']} graphs + {then['stats']['eager_signatures']} signatures = "
+                f"{extra['seconds'] / 60:.0f} min"
+            )
+        rows.append(
+            f"| {name} | {graphs} | {stats['eager_signatures']} | {cost['seconds'] / 60:.0f} min "
+            f"({describe(cost)}) | {later} | {tokens / real:.2f} | {run['seconds']:.1f} s |"
+        )
+    return [
+        f"Workload: {len(lengths)} prompts in {len(batches)} generate() calls; prompt lengths lognormal (median 64, "
+        f"sigma 1, clipped to 8-1,024): min {lengths[0]}, median {lengths[len(lengths) // 2]}, max {lengths[-1]} "
+        f"tokens, {len(set(lengths))} distinct; batch sizes {', '.join(map(str, sizes))}; "
+        f"max_new_tokens={WORKLOAD_NEW_TOKENS}, greedy; tiny Qwen3 with a {WORKLOAD_CONTEXT}-token context, "
+        f"vocab {args.vocab}; seed {args.seed}. Stock inputs on the "
+        f"{'host' if stock['host_inputs'] else 'device (4.x refuses host inputs)'}. "
+        f"Patched tokens (one core and split) identical to stock: {'yes' if same else 'NO'}. The cost model prices "
+        "every graph alike; a 1,024-token prefill graph compiles longer than a decode step.",
+        "",
+        "| setting | compiled graphs | eager signatures | est. compile on Trainium | then "
+        f"{args.prompts} new prompts (seed + 1), same process: new compiles | positions computed per real position "
+        "(padding) | CPU wall (simulator) |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompts", type=int, default=48, help="prompts in the workload section")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and batch sizes")
+    parser.add_argument("--only", choices=("workload", "steps"), help="run one section only")
     parser.add_argument("--output", help="append the markdown section to this file")
     args = parser.parse_args()
     tokens = sorted(args.tokens)
+    header = [
+        f"## Transformers {transformers.__version__} (torch {torch.__version__.split('+')[0]}, "
+        f"accelerate-neuron {accelerate_neuron.__version__})",
+        "",
+        f"Command: `{sys.executable} benchmarks/generation.py {' '.join(sys.argv[1:])}` (simulated device, 1 core)",
+        "",
+    ]
+    if args.only == "workload":
+        _emit("\n".join([*header, *workload_section(args)]), args.output)
+        return
 
     tok = tiny.tokenizer()
     host = tok([PROMPT], return_tensors="pt")
@@ -198,11 +361,7 @@ def main() -> None:
         graphs["stock + static"] = _graphs_across_lengths(args.vocab, enc, cache_implementation="static")
 
     lines = [
-        f"## Transformers {transformers.__version__} (torch {torch.__version__.split('+')[0]}, "
-        f"accelerate-neuron {accelerate_neuron.__version__})",
-        "",
-        f"Command: `{sys.executable} benchmarks/generation.py {' '.join(sys.argv[1:])}` (simulated device, 1 core)",
-        "",
+        *header,
         f"Model: tiny Qwen3 (2 layers, hidden 64), vocab {args.vocab}; prompt of {host['input_ids'].shape[1]} "
         "tokens; greedy; inputs `.to(model.device)` unless noted. Bytes and time per step are the difference "
         f"between the {tokens[-1]}- and {tokens[0]}-token runs over the extra steps.",
@@ -235,10 +394,15 @@ def main() -> None:
         *[f"| {k} | {v} |" for k, v in graphs.items()],
         "",
     ]
-    text = "\n".join(lines)
+    if args.only != "steps":
+        lines += workload_section(args)
+    _emit("\n".join(lines), args.output)
+
+
+def _emit(text: str, output: str | None) -> None:
     print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as fh:
+    if output:
+        with open(output, "a", encoding="utf-8") as fh:
             fh.write(text + "\n")
 
 

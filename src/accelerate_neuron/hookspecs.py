@@ -78,6 +78,21 @@ def neuron_static_cache_length(requested: int, max_position_embeddings: int | No
 
 
 @hookspec(firstresult=True)
+def neuron_generation_shape_policy(max_position_embeddings: int | None) -> dict[str, Any] | None:
+    """Prompt-length and batch-size buckets ``generate()`` pads to on Neuron.
+
+    Returns a dict with any of ``"prompt_buckets"`` (ascending prompt lengths a
+    decoder-only prompt, or an encoder input, is padded up to) and
+    ``"batch_buckets"`` (ascending batch sizes the batch is padded up to with
+    dummy rows); an empty list turns that bucketing off, a missing key keeps the
+    built-in default: powers of two from 32 up to ``max_position_embeddings``
+    (8192 if unknown), batches 1, 2, 4, ... 256. Results are always the
+    unpadded call's. ``ACCELERATE_NEURON_PROMPT_BUCKETS`` /
+    ``ACCELERATE_NEURON_BATCH_BUCKETS`` override any plugin.
+    """
+
+
+@hookspec(firstresult=True)
 def neuron_training_shape_policy(max_length: int | None) -> dict[str, Any] | None:
     """How training batches are padded on Neuron when the Trainer compiles.
 

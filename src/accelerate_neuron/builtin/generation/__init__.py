@@ -23,7 +23,7 @@ import torch
 
 from ...hookspecs import hookimpl
 from ...patching import Patch
-from . import cache, devices
+from . import cache, devices, shapes
 
 GEN = "transformers.generation.utils"
 _MIXIN = "GenerationMixin"
@@ -134,3 +134,8 @@ def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
 def neuron_static_cache_length(requested: int, max_position_embeddings: int | None) -> int | None:
     spec = cache.parse_buckets(os.environ.get(cache.BUCKETS_ENV))
     return cache.bucket_length(requested, max_position_embeddings, spec)
+
+
+@hookimpl
+def neuron_generation_shape_policy(max_position_embeddings: int | None) -> dict[str, Any] | None:
+    return shapes.default_policy(max_position_embeddings)

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ...plugins import call_hook
-from .devices import model_device
+from . import bucketing, padding, shapes
+from .devices import model_device, split_across_devices
 
 logger = logging.getLogger("accelerate_neuron")
 
@@ -52,21 +53,10 @@ def static_cache_default_enabled() -> bool:
 
 def parse_buckets(raw: str | None) -> str | tuple[int, ...]:
     """``"pow2"`` (default), ``"off"``, or an ascending tuple of lengths from ``"256,512,1024"``."""
-    text = (raw or "").strip().lower()
-    if text in ("", "pow2"):
+    parsed = shapes.parse_buckets(raw, BUCKETS_ENV, "cache lengths", example="256,512,1024")
+    if parsed is None or parsed == "pow2":
         return "pow2"
-    if text in ("off", "0", "none", "no"):
-        return "off"
-    try:
-        lengths = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        lengths = ()
-    if not lengths or any(n <= 0 for n in lengths) or list(lengths) != sorted(set(lengths)):
-        raise ValueError(
-            f"invalid {BUCKETS_ENV}={raw!r}: expected 'pow2' (default), 'off', or ascending positive "
-            "cache lengths separated by commas, e.g. '256,512,1024'"
-        )
-    return lengths
+    return parsed or "off"
 
 
 _warned_beyond: set[int] = set()
@@ -95,17 +85,10 @@ def bucket_length(requested: int, max_position_embeddings: int | None, spec: str
     return length
 
 
-def _max_positions(model: Any) -> int | None:
-    try:
-        config = model.config.get_text_config(decoder=True)
-    except Exception:
-        config = getattr(model, "config", None)
-    value = getattr(config, "max_position_embeddings", None)
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def cache_length(model: Any, requested: int) -> int:
-    answer = call_hook("neuron_static_cache_length", requested=requested, max_position_embeddings=_max_positions(model))
+    answer = call_hook(
+        "neuron_static_cache_length", requested=requested, max_position_embeddings=bucketing.max_positions(model)
+    )
     if answer is None:
         return requested
     if isinstance(answer, bool) or not isinstance(answer, int) or answer < requested:
@@ -117,7 +100,11 @@ def cache_length(model: Any, requested: int) -> int:
 
 
 def wrap_static_cache_length(original: Callable[..., Any]) -> Callable[..., Any]:
-    """For ``_get_cache`` (Transformers 4.x) and ``_prepare_static_cache`` (5.x): bucket ``max_cache_len``."""
+    """For ``_get_cache`` (Transformers 4.x) and ``_prepare_static_cache`` (5.x): bucket the cache's shape.
+
+    Its length holds the prompt's pad slots, then rounds up to a cache bucket; its
+    batch is the plan's batch bucket (dummy rows) when the call may use one.
+    """
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -125,12 +112,66 @@ def wrap_static_cache_length(original: Callable[..., Any]) -> Callable[..., Any]
         if model_device(self) is None:
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
+        plan = padding.current()
+        batch = bound.arguments.get("batch_size")
+        if plan is not None and isinstance(batch, int):
+            plan.batch = batch
+            if plan.may_add_rows:
+                bucket = plan.policy.batch_bucket(batch)
+                if bucket is None:
+                    shapes.warn_beyond_largest("batch size", batch, plan.policy.batch_buckets, shapes.BATCH_BUCKETS_ENV)
+                else:
+                    plan.dummy = bucket - batch
+                    bound.arguments["batch_size"] = bucket
         requested = bound.arguments.get("max_cache_len")
         if isinstance(requested, int):
-            bound.arguments["max_cache_len"] = cache_length(self, requested)
-        return original(*bound.args, **bound.kwargs)
+            bound.arguments["max_cache_len"] = cache_length(self, requested + (plan.pad if plan is not None else 0))
+        cache = original(*bound.args, **bound.kwargs)
+        if plan is not None and plan.chunked:
+            _initialize_before_compiled_prefill(self, cache, bound.arguments.get("batch_size"))
+        return cache
 
     return sized
+
+
+def _initialize_before_compiled_prefill(model: Any, cache: Any, batch_size: Any) -> None:
+    """Allocate a fresh static cache before the compiled prefill (4.x initialises it lazily, inside the graph).
+
+    A cache allocated inside the first compiled prefill makes that graph differ from the next call's (the
+    cache then exists): one prefill graph per bucket would become two. Transformers 5.x does this itself.
+    """
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
+    if not isinstance(batch_size, int) or not layers or all(getattr(x, "is_initialized", True) for x in layers):
+        return
+    early = getattr(cache, "early_initialization", None)
+    shape = _head_shape(model)
+    if not callable(early) or shape is None:
+        return
+    try:
+        early(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1], dtype=model.dtype, device=model.device)
+    except Exception as exc:  # lazy initialisation still works: one more prefill graph at worst
+        logger.debug("accelerate_neuron: could not initialise the static cache ahead of the prefill: %s", exc)
+
+
+def _head_shape(model: Any) -> tuple[int, int] | None:
+    """(KV heads, head dim) of the decoder's attention, as a static cache stores them; None if not one shape."""
+    own = getattr(model, "_get_static_cache_init_shape", None)
+    if callable(own):  # upstream's own answer where it has one (tensor parallel, MLA, ...)
+        shape = own()
+        return shape if shape is not None and all(isinstance(v, int) for v in shape) else None
+    if split_across_devices(model):  # layers on several cores: each allocates its own, lazily
+        return None
+    try:
+        config = model.config.get_text_config(decoder=True)
+    except Exception:
+        config = getattr(model, "config", None)
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and isinstance(heads, int) and isinstance(getattr(config, "hidden_size", None), int):
+        head_dim = config.hidden_size // config.num_attention_heads
+    if not isinstance(heads, int) or not isinstance(head_dim, int):
+        return None
+    return heads, head_dim
 
 
 def _mode_name(generation_mode: Any) -> str:
@@ -165,9 +206,11 @@ def wrap_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
+        if model_device(self) is None:
+            return original(self, generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        caller_cache = _caller_chose_cache(generation_config, model_kwargs)
         if (
-            model_device(self) is not None
-            and not _caller_chose_cache(generation_config, model_kwargs)
+            not caller_cache
             and _mode_name(generation_mode) in _STATIC_MODES
             and not getattr(generation_config, "is_assistant", False)
             and _supports_static_cache(self)
@@ -175,7 +218,18 @@ def wrap_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         ):
             generation_config.cache_implementation = "static"
             _announce()
-        return original(self, generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        plan = padding.current()
+        if plan is not None:
+            compiles = not getattr(generation_config, "disable_compile", False) and not split_across_devices(self)
+            bucketing.plan_call(self, plan, generation_config, model_kwargs, _mode_name(generation_mode), compiles)
+        result = original(self, generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        if plan is not None and plan.dummy and not self._valid_auto_compile_criteria(model_kwargs, generation_config):
+            # Dummy rows are cut from the compiled call's logits: without compiling there is no place to cut them.
+            bucketing.drop_rows(plan, model_kwargs)
+            result = original(self, generation_config, model_kwargs, generation_mode, *args, **kwargs)
+        if plan is not None:
+            bucketing.announce(plan)
+        return result
 
     return prepare
 
@@ -222,13 +276,6 @@ def _compileable_cache(model_kwargs: dict[str, Any]) -> bool:
     return bool(getattr(cache, "is_compileable", False)) and type(decoder).__name__ != "DynamicCache"
 
 
-def _split_across_devices(model: Any) -> bool:
-    device_map = getattr(model, "hf_device_map", None)
-    if not isinstance(device_map, dict):
-        return False
-    return len({str(d) for d in device_map.values() if str(d) not in ("cpu", "disk")}) > 1
-
-
 _warned_split = False
 
 
@@ -258,7 +305,7 @@ def wrap_auto_compile(original: Callable[..., Any]) -> Callable[..., Any]:
             # Nothing to compile (e.g. a dynamic cache): adding a config would only make upstream
             # warn that it cannot honour it.
             return original(self, model_kwargs, generation_config)
-        if config is None and _split_across_devices(self):
+        if config is None and split_across_devices(self):
             _skip_compile_for_split_model()
             return False
         if config is None:

@@ -22,6 +22,7 @@ import contextvars
 import copy
 import functools
 import inspect
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ import torch
 
 from ... import device as neuron_device
 from ...plugins import call_hook
+from . import bucketing, padding
 
 #: Keyword arguments of ``generate`` that the loop grows, or that decide the
 #: device of what it grows (``inputs_tensor.device`` in upstream's code).
@@ -54,6 +56,8 @@ KEEP_IN_PLACE = frozenset({"past_key_values", "cache", "cache_params"})
 # Model kwargs the encoder never reads (upstream's own `irrelevant_prefix`).
 _NOT_FOR_ENCODER = ("decoder_", "cross_attn", "use_cache", "cache", "past_key_values")
 
+logger = logging.getLogger("accelerate_neuron")
+
 _INSTANCE_ATTR = "prepare_inputs_for_generation"
 _MOVER_FLAG = "_accelerate_neuron_mover"
 _lock = threading.Lock()
@@ -75,6 +79,14 @@ def model_device(model: Any) -> torch.device | None:
     if isinstance(dev, torch.device) and dev.type == neuron_device.DEVICE_TYPE:
         return dev
     return None
+
+
+def split_across_devices(model: Any) -> bool:
+    """Whether ``model`` was dispatched over several devices (Accelerate's ``hf_device_map``)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not isinstance(device_map, dict):
+        return False
+    return len({str(d) for d in device_map.values() if str(d) not in ("cpu", "disk")}) > 1
 
 
 def move(value: Any, device: torch.device) -> Any:
@@ -191,6 +203,9 @@ def forward_inputs_on(model: Any, dev: torch.device) -> Iterator[None]:
             # Upstream reads this method's signature (accepted kwargs, inputs_embeds support): keep the inner one.
             @functools.wraps(inner)
             def mover(*args: Any, **kwargs: Any) -> Any:
+                plan = padding.current()
+                if plan is not None and plan.active:
+                    args, kwargs = padding.pad_forward_inputs(plan, args, kwargs)
                 return move(inner(*args, **kwargs), dev)
 
             setattr(mover, _MOVER_FLAG, True)
@@ -228,16 +243,44 @@ def _assisted(model: Any, kwargs: dict[str, Any]) -> bool:
     )
 
 
+def _prompt_length(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """Length of a decoder-only call's token prompt (None: nothing the prompt buckets apply to)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    value = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.is_floating_point():
+        return None
+    if kwargs.get("inputs_embeds") is not None:
+        return None
+    return int(value.shape[1])
+
+
+_RETURNED_CACHE = ("past_key_values", "cache")
+
+
+def _caller_layout(result: Any) -> Any:
+    """The returned cache in the caller's layout when this call was padded."""
+    plan = padding.current()
+    if plan is None or not plan.active or not isinstance(result, dict):
+        return result
+    for key in _RETURNED_CACHE:  # 5.x: "cache" (and "past_key_values" an alias of it, not a key); 4.x: the latter
+        if key in result.keys() and result[key] is not None:
+            result[key] = padding.unpadded_cache(result[key], plan)
+    return result
+
+
 def wrap_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
         dev = model_device(self)
         if dev is None:
             return original(self, *args, **kwargs)
         caller = None
+        prompt = None
         if not _assisted(self, kwargs):
             args, kwargs, caller = bring_home(self, dev, args, kwargs)
-        with forward_inputs_on(self, dev), quiet_host_input_warning():
-            result = original(self, *args, **kwargs)
+            prompt = _prompt_length(self, args, kwargs)
+        with padding.planning(prompt), forward_inputs_on(self, dev), quiet_host_input_warning():
+            result = _caller_layout(original(self, *args, **kwargs))
         return send_back(result, caller)
 
     return _named_like(generate, original)
@@ -246,10 +289,26 @@ def wrap_generate(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_encoder_kwargs(original: Callable[..., Any]) -> Callable[..., Any]:
     """Run the encoder on the model's device while the decoder's bookkeeping stays on the host."""
 
+    signature = inspect.signature(original)
+
     def prepare(self: Any, inputs_tensor: Any, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         dev = model_device(self)
         if dev is None:
             return original(self, inputs_tensor, model_kwargs, *args, **kwargs)
+        try:
+            generation_config = signature.bind(self, inputs_tensor, model_kwargs, *args, **kwargs).arguments.get(
+                "generation_config"
+            )
+        except TypeError:
+            generation_config = None
+        pad = bucketing.encoder_pad(inputs_tensor, generation_config)
+        if pad:
+            # The encoder runs once per call: bucketing its length keeps its eager ops and the decoder's
+            # cross-attention graphs to one shape per bucket. model_kwargs keeps the padded mask for the decoder.
+            filler = getattr(self.config, "pad_token_id", None)
+            inputs_tensor = bucketing.pad_encoder_inputs(
+                inputs_tensor, model_kwargs, pad, filler if isinstance(filler, int) and filler >= 0 else 0
+            )
         for_encoder = {k: v if k.startswith(_NOT_FOR_ENCODER) else move(v, dev) for k, v in model_kwargs.items()}
         result = original(self, move(inputs_tensor, dev), for_encoder, *args, **kwargs)
         # Keep the caller's (host) values for what the encoder only read; add what it produced.
@@ -311,31 +370,59 @@ def wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     return _named_like(_sample, original)
 
 
-def select_greedy(outputs: Any) -> Any:
+def select_greedy(outputs: Any, rows: int | None = None) -> Any:
     """Replace ``outputs.logits`` by a host one-hot row of the device-side argmax.
 
     Upstream copies the last logits row ``[batch, vocab]`` to the host every
     step to take its argmax; the argmax of this one-hot row is the same token,
-    and only ``batch`` ids cross the device boundary.
+    and only ``batch`` ids cross the device boundary. ``rows``: keep only the
+    first rows (the caller's, when dummy rows pad the batch); the argmax runs on
+    the whole padded batch, so its shape is the bucket's.
     """
     logits = getattr(outputs, "logits", None)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         return outputs
     ids = logits[:, -1].argmax(dim=-1).to("cpu")
+    if rows is not None:
+        ids = ids[:rows]
     onehot = torch.zeros((ids.shape[0], 1, logits.shape[-1]), dtype=torch.float32)
     onehot.scatter_(-1, ids.view(-1, 1, 1), 1.0)
     outputs.logits = onehot
     return outputs
 
 
+#: Graphs one compiled generate() frame may hold: prefill and decode graphs of every bucket a job touches.
+#: Dynamo's default (8) would silently fall back to eager after the eighth.
+GRAPH_ROOM = 256
+
+
+def _make_room_for_buckets() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.recompile_limit < GRAPH_ROOM:
+        logger.info(
+            "accelerate_neuron: torch._dynamo.config.recompile_limit raised from %d to %d: generate() compiles one "
+            "graph per prompt/batch/cache bucket in one frame",
+            dynamo_config.recompile_limit,
+            GRAPH_ROOM,
+        )
+        dynamo_config.recompile_limit = GRAPH_ROOM
+
+
 def wrap_get_compiled_call(original: Callable[..., Any]) -> Callable[..., Any]:
     def get_compiled_call(self: Any, compile_config: Any) -> Callable[..., Any]:
         call = original(self, compile_config)
-        if _greedy_model.get() is not self:
+        greedy = _greedy_model.get() is self
+        plan = padding.current()
+        if plan is not None and plan.active:
+            _make_room_for_buckets()
+        if not greedy and (plan is None or not plan.dummy):
             return call
+        rows = plan.batch if plan is not None and plan.dummy else None
 
         def compiled_then_select(*args: Any, **kwargs: Any) -> Any:
-            return select_greedy(call(*args, **kwargs))
+            outputs = call(*args, **kwargs)
+            return select_greedy(outputs, rows) if greedy else padding.cut_dummy_rows(plan, outputs)
 
         return compiled_then_select
 

@@ -1,0 +1,214 @@
+"""Prompt-length and batch buckets for one ``generate()`` call, applied where only the model sees them.
+
+Upstream's loop keeps working on the caller's own tensors: stopping criteria,
+logits processors, streamers, ``max_length`` / ``min_length`` and every
+returned field see exactly what they would without this plugin. Only the
+forward passes see padded shapes:
+
+- ``pad`` columns are prepended to every forward's ``input_ids`` /
+  ``attention_mask`` (0 there) / ``position_ids`` (the caller's positions are
+  kept: a left pad never moves a real token) and, on Transformers 4.x,
+  ``cache_position`` (shifted by ``pad``). The static KV cache holds the pad
+  slots at its start, masked out for every query.
+- ``dummy`` rows (copies of row 0, so no row is ever fully masked) are appended
+  to every forward's batch and cut from the logits before upstream reads them;
+  they only exist when every forward of the call runs through the compiled
+  call (where the cut is made), never on an eager path.
+- The prefill runs as one chunk through upstream's own compiled-prefill path
+  (``prefill_chunk_size``), so it is compiled like the decode step: one graph
+  per (prompt bucket, batch bucket), one per (cache bucket, batch bucket).
+
+A :class:`CallPlan` lives in a context variable for the duration of one
+``generate()`` call, so concurrent calls (threads) and nested ones each have
+their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .shapes import ShapePolicy
+
+logger = logging.getLogger("accelerate_neuron")
+
+#: Tensors of a decoder forward whose last dimension is the sequence (the columns ``pad`` extends).
+_SEQUENCE_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids")
+_PAD_VALUE = {"attention_mask": 0, "position_ids": 1, "token_type_ids": 0}  # 1: upstream's own fill for pads
+
+
+@dataclass
+class CallPlan:
+    """What one ``generate()`` call pads. ``pad``/``dummy`` are decided before its cache is built."""
+
+    prompt: int  # prompt length the caller passed
+    batch: int = 0  # rows upstream generates (after num_beams / num_return_sequences expansion)
+    pad: int = 0
+    dummy: int = 0
+    filler: int = 0  # a valid token id for the pad columns (masked out: its value never matters)
+    chunked: bool = False  # the prefill goes through upstream's chunked (compiled) path
+    may_add_rows: bool = False  # every forward runs through the compiled call, where dummy rows are cut
+    policy: ShapePolicy | None = None
+    calls: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.pad > 0 or self.dummy > 0
+
+
+_current: contextvars.ContextVar[CallPlan | None] = contextvars.ContextVar("accelerate_neuron_plan", default=None)
+
+
+def current() -> CallPlan | None:
+    return _current.get()
+
+
+@contextlib.contextmanager
+def planning(prompt: int | None) -> Iterator[None]:
+    """Open the plan slot of one ``generate()`` call (None: nothing to bucket)."""
+    token = _current.set(CallPlan(prompt=prompt) if prompt else None)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def _cat_columns(value: torch.Tensor, pad: int, fill: int) -> torch.Tensor:
+    shape = (*value.shape[:-1], pad)
+    return torch.cat([torch.full(shape, fill, dtype=value.dtype, device=value.device), value], dim=-1)
+
+
+def _add_rows(value: torch.Tensor, batch: int, dummy: int) -> torch.Tensor:
+    if value.dim() == 0 or value.shape[0] != batch:
+        return value  # not batched (e.g. a [1, n] position row shared by every row)
+    return torch.cat([value, value[:1].expand(dummy, *value.shape[1:])], dim=0)
+
+
+def pad_forward_inputs(plan: CallPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """The arguments of ``prepare_inputs_for_generation`` in the padded layout."""
+    first = plan.calls == 0
+    plan.calls += 1
+    args = list(args)
+    kwargs = dict(kwargs)
+    if args:
+        kwargs["input_ids"] = args.pop(0)
+    ids = kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return tuple(args), kwargs
+    cache_position = kwargs.get("cache_position")
+    if plan.pad:
+        if kwargs.get("attention_mask") is None:
+            # Upstream drops an all-ones mask; the padded layout needs one (0 on the pad).
+            seen = int(cache_position[-1]) + 1 if isinstance(cache_position, torch.Tensor) else ids.shape[1]
+            kwargs["attention_mask"] = torch.ones((ids.shape[0], seen), dtype=torch.long, device=ids.device)
+        if first and isinstance(cache_position, torch.Tensor):
+            # Transformers 4.x chunked prefill passes arange positions that ignore padding; the unchunked
+            # path (the CPU reference) computes them from the mask, as the inner call will when they are absent.
+            kwargs.pop("position_ids", None)
+        for name in _SEQUENCE_INPUTS:
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                kwargs[name] = _cat_columns(value, plan.pad, _PAD_VALUE.get(name, plan.filler))
+        if isinstance(cache_position, torch.Tensor):
+            shifted = cache_position + plan.pad
+            if first:
+                prefix = torch.arange(plan.pad, dtype=cache_position.dtype, device=cache_position.device)
+                shifted = torch.cat([prefix, shifted])
+            kwargs["cache_position"] = shifted
+    if plan.dummy:
+        for name in _SEQUENCE_INPUTS:
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                kwargs[name] = _add_rows(value, plan.batch, plan.dummy)
+    ids = kwargs.pop("input_ids")
+    return (ids, *args), kwargs
+
+
+def cut_dummy_rows(plan: CallPlan | None, outputs: Any) -> Any:
+    """Upstream sees ``plan.batch`` rows of logits: the dummy rows' are dropped (on the host, after the forward)."""
+    if plan is None or not plan.dummy:
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, torch.Tensor) and logits.shape[0] == plan.batch + plan.dummy:
+        # The cut is made on the host: a device-side slice would have one shape per real batch size.
+        outputs.logits = logits[:, -1:].to("cpu")[: plan.batch]
+    return outputs
+
+
+# --- the cache the caller gets back -----------------------------------------------------------------
+
+
+def _layers(cache: Any) -> list[Any] | None:
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or not layers:
+        return None
+    if not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
+        return None
+    return layers
+
+
+def unpadded_cache(cache: Any, plan: CallPlan) -> Any:
+    """A copy of a returned static cache in the caller's layout: pad slots and dummy rows removed.
+
+    Upstream may keep and reuse the cache object it built (Transformers 4.x keeps
+    ``model._cache``), so the caller gets a copy; the one upstream holds keeps the
+    padded layout its next call expects. A cache structure this does not know is
+    returned as is, with a warning once.
+    """
+    if cache is None or not plan.active:
+        return cache
+    inner = getattr(cache, "self_attention_cache", cache)
+    layers = _layers(inner)
+    if layers is None:
+        _warn_layout(type(cache).__name__)
+        return cache
+    rows = slice(0, plan.batch)
+    copied = []
+    for layer in layers:
+        new = copy.copy(layer)
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            moved = torch.zeros_like(tensor[rows])
+            length = tensor.shape[-2] - plan.pad
+            moved[..., :length, :] = tensor[rows, :, plan.pad :, :]
+            setattr(new, name, moved)
+        for name in ("batch_size", "max_batch_size"):
+            if isinstance(getattr(layer, name, None), int):
+                setattr(new, name, plan.batch)
+        seen = getattr(layer, "cumulative_length", None)
+        if isinstance(seen, torch.Tensor):
+            new.cumulative_length = (seen - plan.pad).clamp_(min=0)
+        elif isinstance(seen, int):
+            new.cumulative_length = max(seen - plan.pad, 0)
+        copied.append(new)
+    new_inner = copy.copy(inner)
+    new_inner.layers = copied
+    if inner is cache:
+        return new_inner
+    new_cache = copy.copy(cache)
+    new_cache.self_attention_cache = new_inner
+    return new_cache
+
+
+_warned_layout: set[str] = set()
+
+
+def _warn_layout(name: str) -> None:
+    if name in _warned_layout:
+        return
+    _warned_layout.add(name)
+    logger.warning(
+        "accelerate_neuron: the %s returned by generate() holds the bucketed layout (pad slots first, dummy rows "
+        "last): it cannot be passed back to generate() as is. Set ACCELERATE_NEURON_PROMPT_BUCKETS=off and "
+        "ACCELERATE_NEURON_BATCH_BUCKETS=off for calls whose cache you reuse.",
+        name,
+    )
