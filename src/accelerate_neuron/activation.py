@@ -214,7 +214,6 @@ def on_device_registered(source: str) -> None:
             refresh_upstream_gates()
 
 
-
 def reapply_patches() -> int:
     """Apply every scheduled patch whose module is imported (after a revert in tests)."""
     from . import patching
