@@ -223,10 +223,10 @@ class NeffCache:
                 if self.load(key) is not None:  # compiled by another process while this one waited
                     self._remember(key)
                     return Lookup(key, HIT, "disk")
-                self._store(key, compile())
+                self.store(key, compile())
         except filelock.Timeout:
             self._warn_lock_timeout(key)
-            self._store(key, compile())
+            self.store(key, compile())
         self._remember(key)
         return Lookup(key, MISS, "compiled")
 
@@ -250,7 +250,7 @@ class NeffCache:
                         if self.load(key) is not None:
                             results[key] = Lookup(key, HIT, "disk")
                         else:
-                            self._store(key, entries[key]())
+                            self.store(key, entries[key]())
                             results[key] = Lookup(key, MISS, "compiled")
             except filelock.Timeout:
                 self._warn_lock_timeout("batch")
@@ -276,8 +276,13 @@ class NeffCache:
         with filelock.FileLock(str(locks / name), timeout=self.lock_timeout):
             yield
 
-    def _store(self, key: str, body: Mapping[str, Any]) -> None:
-        """Write an entry atomically (temp file in the same folder + rename); a failure only costs the entry."""
+    def store(self, key: str, body: Mapping[str, Any]) -> None:
+        """Write an entry atomically (temp file in the same folder + rename); a failure only costs the entry.
+
+        Safe without the lock: readers see the old entry or the new one, never a mix.
+        """
+        if not self.persistent:
+            return
         path = self.entry_path(key)
         data = encode(key, {**body, "created": time.time(), "pid": os.getpid()})
         try:
