@@ -310,12 +310,14 @@ def _eager(records: list[dict[str, Any]]) -> dict[str, Any]:
     for record in records:
         distinct.update(record.get("stats", {}).get("eager_signature_list", []))
     per_op = Counter(sig.split("(", 1)[0] for sig in distinct)
+    # Ties by name: the same run gives the same report (a set's order changes per process).
+    ranked = sorted(per_op.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "distinct_signatures": len(distinct),
         "compiles": sum(_eager_compiles(r.get("stats", {})) for r in records),
         "cache_hits": sum(int(r.get("stats", {}).get("eager_cache_hits", 0)) for r in records),
         "eager_ops": sum(int(r.get("stats", {}).get("eager_ops", 0)) for r in records),
-        "top_ops": [{"op": op, "signatures": n} for op, n in per_op.most_common(TOP_OPS)],
+        "top_ops": [{"op": op, "signatures": n} for op, n in ranked[:TOP_OPS]],
     }
 
 
