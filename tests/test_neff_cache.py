@@ -195,6 +195,29 @@ def test_a_folder_that_may_be_a_real_neff_cache_is_never_written(
     assert st["compiles"] == 2 and st["compile_cache"]["enabled"] is False
 
 
+def test_a_cache_that_cannot_be_written_costs_the_entries_not_the_run(
+    sim: object, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    x = torch.randn(4, 4, device="neuron")
+    as_new_process(tmp_path)
+    assert neff_cache.current().persistent
+    # Where the graph's shard folders and the locks should go there are files: nothing can be created.
+    for name in ("locks", *(f"{i:02x}" for i in range(256))):
+        (tmp_path / name).write_text("in the way")
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        out = compile_step()(x)
+    assert torch.allclose(out.cpu(), torch.relu(x.cpu() @ x.cpu().T) * 2)
+    assert simulator.stats()["compiles"] == 1 and entries(tmp_path) == []
+    assert "cannot take the NEFF cache lock" in caplog.text and "cannot write to the NEFF cache" in caplog.text
+
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    as_new_process(not_a_folder)
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        compile_step()(x)
+    assert simulator.stats()["compile_cache"]["enabled"] is False and "the simulated NEFF cache is off" in caplog.text
+
+
 def test_a_held_lock_is_waited_for_then_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = neff_cache.NeffCache(tmp_path, lock_timeout=0.2)
     assert cache.persistent

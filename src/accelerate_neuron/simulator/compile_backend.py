@@ -97,7 +97,12 @@ def _through_cache(
         record.update(cache=neff_cache.MISS, cache_source="unkeyed", cache_key=None)
         return
     summary = {"what": "graph", **{k: record[k] for k in ("kind", "inputs", "num_nodes", "frame")}}
-    lookup = neff_cache.current().get_or_compile(key, lambda: {**summary, **graph_key.versions()})
+    try:
+        lookup = neff_cache.current().get_or_compile(key, lambda: {**summary, **graph_key.versions()})
+    except Exception as exc:  # the cache is an optimisation: a failure in it never stops the user's graph
+        logger.warning("accelerate_neuron: NEFF cache lookup failed (%s); the graph counts as compiled", exc)
+        record.update(cache=neff_cache.MISS, cache_source="error", cache_key=key)
+        return
     record.update(cache=lookup.status, cache_source=lookup.source, cache_key=key)
 
 

@@ -16,6 +16,7 @@ first compiles and the other loads, as two ranks racing for the same op would.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -43,15 +44,24 @@ def settle(signatures: Iterable[str]) -> tuple[int, int]:
         new = [s for s in wanted if s not in _settled]
         if new:
             keys = {graph_key.eager_key(s): s for s in new}
-            results = cache.settle({key: _entry(sig) for key, sig in keys.items()})
-            for key, lookup in results.items():
-                _settled[keys[key]] = lookup.status
+            try:
+                results = {key: lookup.status for key, lookup in cache.settle(_entries(keys)).items()}
+            except Exception as exc:  # never break stats(): they then count as compiled
+                logger.warning("accelerate_neuron: NEFF cache lookup of eager ops failed (%s)", exc)
+                results = dict.fromkeys(keys, neff_cache.MISS)
+            for key, status in results.items():
+                _settled[keys[key]] = status
         hits = sum(1 for s in wanted if _settled.get(s) == neff_cache.HIT)
     return hits, len(wanted) - hits
 
 
-def _entry(signature: str) -> Callable[[], dict[str, str]]:
-    return lambda: {"what": "eager", "signature": signature, **graph_key.versions()}
+def _entries(keys: dict[str, str]) -> dict[str, Callable[[], dict[str, str]]]:
+    """What each new eager entry records: the signature (its key's preimage) and the versions."""
+    return {key: functools.partial(_entry, sig) for key, sig in keys.items()}
+
+
+def _entry(signature: str) -> dict[str, str]:
+    return {"what": "eager", "signature": signature, **graph_key.versions()}
 
 
 def forget() -> None:

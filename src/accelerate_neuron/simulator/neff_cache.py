@@ -270,11 +270,28 @@ class NeffCache:
 
     @contextlib.contextmanager
     def _lock(self, name: str) -> Iterator[None]:
+        """The cross-process lock ``name``; raises ``filelock.Timeout`` after ``lock_timeout`` seconds."""
         assert self.root is not None
-        locks = self.root / "locks"
-        locks.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(str(locks / name), timeout=self.lock_timeout):
+        try:
+            (self.root / "locks").mkdir(parents=True, exist_ok=True)
+            lock = filelock.FileLock(str(self.root / "locks" / name), timeout=self.lock_timeout)
+            lock.acquire()
+        except filelock.Timeout:
+            raise
+        except OSError as exc:  # a read-only or odd folder: compile anyway, without the lock
+            self._warn_once(
+                "lock",
+                "cannot take the NEFF cache lock in %s (%s): compiling without it (processes sharing the cache "
+                "may compile the same graph twice)",
+                self.root,
+                exc,
+            )
             yield
+            return
+        try:
+            yield
+        finally:
+            lock.release()
 
     def store(self, key: str, body: Mapping[str, Any]) -> None:
         """Write an entry atomically (temp file in the same folder + rename); a failure only costs the entry.
