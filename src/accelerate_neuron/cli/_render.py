@@ -163,7 +163,7 @@ def cache_line(cache: dict[str, Any] | None) -> str:
 def _estimate(report: dict[str, Any]) -> list[str]:
     est = report["estimate"]
     who = f" ({est['process']}; processes compile in parallel)" if report["processes_using_device"] > 1 else ""
-    lines = [
+    return [
         *_section("Estimated compile time on Trainium"),
         f"  this run:     ~{duration(est['seconds'])}{who}",
         f"  cold cache:   ~{duration(est['cold_seconds'])}; the NEFF cache saved ~{duration(est['saved_seconds'])} "
@@ -173,7 +173,6 @@ def _estimate(report: dict[str, Any]) -> list[str]:
         "(change with --compile-seconds / --eager-seconds)",
         f"  {cache_line(report.get('compile_cache'))} (TORCH_NEURONX_NEFF_CACHE_DIR moves it)",
     ]
-    return lines
 
 
 def render_dryrun(report: dict[str, Any]) -> str:
