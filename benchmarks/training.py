@@ -142,6 +142,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         loss=loss,
         dynamo_graphs=stats["dynamo_graphs"],
         neuron_graphs=stats["compiles"],
+        neuron_graphs_cached=stats["compile_cache_hits"],
+        eager_compiles=stats["eager_compiles"],
+        eager_cache_hits=stats["eager_cache_hits"],
         lengths_compiled=sorted(set(seq.values())),
         batch_shapes=len(shapes),
         recompile_limit_hits=hits.count,
@@ -158,6 +161,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 def run_mode(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_NEURON_") or k.endswith("CACHE_DIR")}
     env.update({"ACCELERATE_NEURON_SIMULATE": "2", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+    # Every mode is a first run: no persistent NEFF cache to find graphs of an earlier run in.
+    env["TORCH_NEURONX_NEFF_DISABLE_CACHE"] = "1"
     env.update(MODES[name])
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True, text=True, check=False

@@ -4,6 +4,9 @@ The pytest process itself runs with a 2-core simulated device installed on
 ``import torch`` (``ACCELERATE_NEURON_SIMULATE=2``), as a user's script would.
 Tests that need another core count, no Neuron at all, or several processes
 run a subprocess (``helpers.run_python``).
+
+Compile counts assume a cold NEFF cache: each test, and each child process a
+test starts, gets an empty one (``neff_cache.temporary``, ``helpers.clean_env``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from helpers import fresh_neff_cache_dir
+
+# The simulator's default NEFF cache persists across runs: the session gets an empty one instead.
+os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] = fresh_neff_cache_dir()
+os.environ.pop("TORCH_NEURONX_NEFF_DISABLE_CACHE", None)
+
 import contextlib
 from collections.abc import Iterator
 
@@ -24,6 +33,7 @@ import torch
 
 import accelerate_neuron
 from accelerate_neuron import activation, simulator
+from accelerate_neuron.simulator import neff_cache
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -43,6 +53,13 @@ def _simulated_device() -> None:
         "the test session expects the simulated device (ACCELERATE_NEURON_SIMULATE=2); "
         f"status: {accelerate_neuron.status()}"
     )
+
+
+@pytest.fixture(autouse=True)
+def _cold_neff_cache() -> Iterator[None]:
+    """Every test starts on an empty NEFF cache: compile counts never depend on the tests before it."""
+    with neff_cache.temporary():
+        yield
 
 
 @pytest.fixture

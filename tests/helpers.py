@@ -2,23 +2,43 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+_NEFF_ROOT: Path | None = None
+
+
+def fresh_neff_cache_dir() -> str:
+    """An empty NEFF cache folder (removed when the test process exits): a cold cache, as on a new machine."""
+    global _NEFF_ROOT
+    if _NEFF_ROOT is None:
+        _NEFF_ROOT = Path(tempfile.mkdtemp(prefix="accelerate-neuron-test-neff-"))
+        atexit.register(shutil.rmtree, _NEFF_ROOT, True)
+    return tempfile.mkdtemp(dir=_NEFF_ROOT)
 
 
 def clean_env(**overrides: str | None) -> dict[str, str]:
-    """The environment for a child process: no simulator unless asked, offline hub."""
+    """The environment for a child process: no simulator unless asked, offline hub, a cold NEFF cache of its own.
+
+    Every child gets an empty ``TORCH_NEURONX_NEFF_CACHE_DIR`` (all processes it starts share it, as the
+    ranks of one job on one host do), so its compile counts never depend on another test. A test that
+    wants a warm cache passes the same folder to two children.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_NEURON_", "NEURON_RT_"))}
     for key in ("ACCELERATE_NEURON_CACHE_DIR",):
         if key in os.environ:
             env[key] = os.environ[key]
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.pop("TORCH_NEURONX_NEFF_DISABLE_CACHE", None)
+    env["TORCH_NEURONX_NEFF_CACHE_DIR"] = fresh_neff_cache_dir()
     for key, value in overrides.items():
         if value is None:
             env.pop(key, None)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from accelerate_neuron import simulator, tiny
+from accelerate_neuron.simulator import neff_cache
 
 # Distinct lengths: each batch's longest sample differs, so upstream compiles one graph per batch.
 LENGTHS = [5, 60, 12, 44, 23, 9, 37, 51, 16, 30, 57, 7, 40, 19, 26, 48]
@@ -263,9 +264,11 @@ def _train(tmp_path: Any, **kwargs: Any) -> tuple[float, Any, dict[str, Any]]:
         train_dataset=_features(LENGTHS),
         data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
     )
-    loss = trainer.train().training_loss
-    # Read now: the next TrainingArguments resets Accelerate's shared state.
-    return loss, trainer, {**simulator.stats(), "mixed_precision": trainer.accelerator.mixed_precision}
+    # Each run is compared with the others as a first run: a cold NEFF cache of its own.
+    with neff_cache.temporary():
+        loss = trainer.train().training_loss
+        # Read now: the next TrainingArguments resets Accelerate's shared state.
+        return loss, trainer, {**simulator.stats(), "mixed_precision": trainer.accelerator.mixed_precision}
 
 
 def _seq_lengths(stats: dict[str, Any]) -> list[int]:

@@ -106,6 +106,8 @@ def main() -> None:
         "wrapped_in": type(inner).__name__,
         "compiled": inner is not net,
         "compiles": stats["compiles"],
+        "compile_cache_hits": stats["compile_cache_hits"],
+        "graph_keys": sorted(g["cache_key"] for g in stats["graphs"]),
         "losses": losses,
         "reduce_sum": summed,
         "gather": gathered,

@@ -228,6 +228,27 @@ def settings(facts: Facts) -> list[Problem]:
     return out
 
 
+def compile_cache(facts: Facts) -> list[Problem]:
+    cache = facts.get("compile_cache") or {}
+    out = [
+        _problem("warning", error, "fix the value or unset the variable") for error in cache.get("setting_errors", [])
+    ]
+    neff = cache.get("neff_cache") or {}
+    if (
+        neff.get("simulated")
+        and not neff.get("enabled")
+        and "TORCH_NEURONX_NEFF_DISABLE_CACHE" not in str(neff.get("reason"))
+    ):
+        out.append(
+            _problem(
+                "warning",
+                f"the simulated NEFF cache is off: {neff.get('reason')}",
+                "point TORCH_NEURONX_NEFF_CACHE_DIR at an empty folder (or unset it for the simulator's own)",
+            )
+        )
+    return out
+
+
 CHECKS: tuple[Callable[[Facts], list[Problem]], ...] = (
     activation,
     torch_neuronx,
@@ -237,6 +258,7 @@ CHECKS: tuple[Callable[[Facts], list[Problem]], ...] = (
     launch_config,
     fp16,
     settings,
+    compile_cache,
 )
 
 

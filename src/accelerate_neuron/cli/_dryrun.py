@@ -2,8 +2,9 @@
 
 Each process of the run wrote ``process-<pid>.json``
 (:mod:`accelerate_neuron.simulator.report`). Here they are merged: where the
-models landed, memory per physical core, compiled graphs, recompile causes,
-eager signatures, transfers and the compile-time estimate.
+models landed, memory per physical core, compiled graphs (and which the NEFF
+cache supplied), recompile causes, eager signatures, transfers and the
+compile-time estimate, cold and with the cache the run found.
 """
 
 from __future__ import annotations
@@ -263,8 +264,10 @@ def _graph_list(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
             inputs = [i for i in g.get("dynamo_inputs", []) if not _WEIGHT.search(str(i.get("name", "")))]
             weights = len(g.get("dynamo_inputs", [])) - len(inputs)
             key = (g.get("kind"), g.get("compile_id"), tuple(describe_tensor(i) for i in g.get("inputs", [])))
+            hit = g.get("cache") == "hit"
             if key in seen:
                 seen[key]["processes"] += 1
+                seen[key]["cache_hits"] += hit
                 continue
             seen[key] = {
                 "kind": g.get("kind"),
@@ -275,6 +278,7 @@ def _graph_list(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
                 "graph_inputs": [describe_tensor(i) for i in g.get("inputs", [])],
                 "num_nodes": g.get("num_nodes"),
                 "processes": 1,
+                "cache_hits": int(hit),
             }
     return list(seen.values()), len(seen)
 
@@ -306,11 +310,29 @@ def _eager(records: list[dict[str, Any]]) -> dict[str, Any]:
     for record in records:
         distinct.update(record.get("stats", {}).get("eager_signature_list", []))
     per_op = Counter(sig.split("(", 1)[0] for sig in distinct)
+    # Ties by name: the same run gives the same report (a set's order changes per process).
+    ranked = sorted(per_op.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "distinct_signatures": len(distinct),
+        "compiles": sum(_eager_compiles(r.get("stats", {})) for r in records),
+        "cache_hits": sum(int(r.get("stats", {}).get("eager_cache_hits", 0)) for r in records),
         "eager_ops": sum(int(r.get("stats", {}).get("eager_ops", 0)) for r in records),
-        "top_ops": [{"op": op, "signatures": n} for op, n in per_op.most_common(TOP_OPS)],
+        "top_ops": [{"op": op, "signatures": n} for op, n in ranked[:TOP_OPS]],
     }
+
+
+def _eager_compiles(st: dict[str, Any]) -> int:
+    """Eager signatures a process compiled (a record without cache figures compiled them all)."""
+    return int(st.get("eager_compiles", st.get("eager_signatures", 0)))
+
+
+def _compile_cache(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The NEFF cache the run's processes used (they inherit one environment)."""
+    for record in records:
+        cache = record.get("stats", {}).get("compile_cache")
+        if cache:
+            return cache
+    return None
 
 
 def build_report(
@@ -329,7 +351,12 @@ def build_report(
     for r in active:
         st = r.get("stats", {})
         est = _costs.estimate(
-            int(st.get("compiles", 0)), int(st.get("eager_signatures", 0)), seconds_per_graph, seconds_per_signature
+            int(st.get("compiles", 0)),
+            _eager_compiles(st),
+            seconds_per_graph,
+            seconds_per_signature,
+            cached_graphs=int(st.get("compile_cache_hits", 0)),
+            cached_signatures=int(st.get("eager_cache_hits", 0)),
         )
         processes.append(
             {
@@ -339,23 +366,33 @@ def build_report(
                 "local_rank": r.get("local_rank"),
                 "visible_cores": st.get("visible_cores", []),
                 "compiles": int(st.get("compiles", 0)),
+                "compile_cache_hits": int(st.get("compile_cache_hits", 0)),
                 "dynamo_graphs": int(st.get("dynamo_graphs", 0)),
                 "eager_signatures": int(st.get("eager_signatures", 0)),
+                "eager_compiles": est["eager_signatures"],
+                "eager_cache_hits": est["cached_signatures"],
                 "h2d_bytes": int(st.get("h2d_bytes", 0)),
                 "d2h_bytes": int(st.get("d2h_bytes", 0)),
                 "d2d_bytes": int(st.get("d2d_bytes", 0)),
                 "estimated_compile_seconds": est["seconds"],
+                "estimated_cold_compile_seconds": est["cold_seconds"],
             }
         )
     graphs, distinct_graphs = _graph_list(active)
     slowest = max(processes, key=lambda p: p["estimated_compile_seconds"], default=None)
     estimate = _costs.estimate(
         slowest["compiles"] if slowest else 0,
-        slowest["eager_signatures"] if slowest else 0,
+        slowest["eager_compiles"] if slowest else 0,
         seconds_per_graph,
         seconds_per_signature,
+        cached_graphs=slowest["compile_cache_hits"] if slowest else 0,
+        cached_signatures=slowest["eager_cache_hits"] if slowest else 0,
     )
     estimate["process"] = slowest["process"] if slowest else None
+    # Processes compile in parallel and a rank that finds a graph being compiled waits for it, so a
+    # cold cache costs the slowest process's whole workload, and a warm one saves only the difference.
+    estimate["cold_seconds"] = max((p["estimated_cold_compile_seconds"] for p in processes), default=0.0)
+    estimate["saved_seconds"] = max(0.0, estimate["cold_seconds"] - estimate["seconds"])
     return {
         "command": command,
         "exit_code": exit_code,
@@ -367,6 +404,8 @@ def build_report(
         "placement": _placement(active),
         "memory": _memory(active, hbm),
         "compiles": sum(p["compiles"] for p in processes),
+        "compile_cache_hits": sum(p["compile_cache_hits"] for p in processes),
+        "compile_cache": _compile_cache(active),
         "distinct_graphs": distinct_graphs,
         "graphs": graphs[:MAX_GRAPHS_LISTED],
         "graphs_truncated": max(0, len(graphs) - MAX_GRAPHS_LISTED),

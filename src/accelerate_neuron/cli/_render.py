@@ -68,14 +68,24 @@ def _memory(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _cache_tag(g: dict[str, Any]) -> str:
+    """``[cache hit]``, ``[x2 processes: 1 compiled, 1 cache hit]``, or nothing for a plain compile."""
+    hits, processes = g.get("cache_hits", 0), g["processes"]
+    if processes > 1:
+        return f"  [x{processes} processes: {processes - hits} compiled, {plural(hits, 'cache hit')}]"
+    return "  [cache hit]" if hits else ""
+
+
 def _graphs(report: dict[str, Any]) -> list[str]:
+    hits = report.get("compile_cache_hits", 0)
     lines = _section(
-        f"Compiled graphs: {report['compiles']} (one NEFF each; {report['distinct_graphs']} distinct across processes)"
+        f"Compiled graphs: {report['compiles']} compiled, {hits} loaded from the NEFF cache "
+        f"(one NEFF each; {report['distinct_graphs']} distinct across processes)"
     )
     for g in report["graphs"]:
         names = ", ".join(f"{i['name']}: {i['shape']}" for i in g["inputs"]) or "no inputs besides weights"
         weights = f" + {plural(g['weights'], 'weight')}" if g["weights"] else ""
-        shared = f"  [x{g['processes']} processes]" if g["processes"] > 1 else ""
+        shared = _cache_tag(g)
         where = f" {g['function']}" if g.get("function") else ""
         lines.append(f"  {g['kind']:<9} frame {g['compile_id']}{where}: {names}{weights}{shared}")
     if report["graphs_truncated"]:
@@ -87,7 +97,8 @@ def _eager(report: dict[str, Any]) -> list[str]:
     eager = report["eager"]
     lines = _section(
         f"Eager signatures: {eager['distinct_signatures']} distinct (op, shapes, dtypes), "
-        f"{eager['eager_ops']:,} eager op calls"
+        f"{eager['eager_ops']:,} eager op calls; {eager.get('compiles', eager['distinct_signatures'])} compiled, "
+        f"{eager.get('cache_hits', 0)} loaded from the NEFF cache"
     )
     if eager["top_ops"]:
         lines.append("  most shapes: " + ", ".join(f"{o['op']} x{o['signatures']}" for o in eager["top_ops"]))
@@ -140,14 +151,27 @@ def _breaks(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def cache_line(cache: dict[str, Any] | None) -> str:
+    """Where the simulated NEFF cache is, or why it is off."""
+    if not cache:
+        return "NEFF cache not reported"
+    if not cache.get("enabled"):
+        return f"NEFF cache off: {cache.get('reason') or 'disabled'}"
+    return f"simulated NEFF cache in {cache['dir']}"
+
+
 def _estimate(report: dict[str, Any]) -> list[str]:
     est = report["estimate"]
     who = f" ({est['process']}; processes compile in parallel)" if report["processes_using_device"] > 1 else ""
     return [
-        *_section("Estimated first-run compile time on Trainium"),
-        f"  ~{duration(est['seconds'])}{who}",
-        f"  assumes {_costs.describe(est)} (change with --compile-seconds / --eager-seconds);"
-        " later runs hit the NEFF cache",
+        *_section("Estimated compile time on Trainium"),
+        f"  this run:     ~{duration(est['seconds'])}{who}",
+        f"  cold cache:   ~{duration(est['cold_seconds'])}; the NEFF cache saved ~{duration(est['saved_seconds'])} "
+        f"({_costs.describe_cache(report.get('compile_cache_hits', 0), report['eager'].get('cache_hits', 0))}"
+        f"{'; a process loading what another is compiling waits for it' if who else ''})",
+        f"  assumes {_costs.describe(est)} compiled, 0 s per NEFF loaded from the cache "
+        "(change with --compile-seconds / --eager-seconds)",
+        f"  {cache_line(report.get('compile_cache'))} (TORCH_NEURONX_NEFF_CACHE_DIR moves it)",
     ]
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from . import _costs
 from ._common import CliError, Progress, core_count, duration, memory_size, plural, positive_int, print_json, size
-from ._render import placement_lines
+from ._render import cache_line, placement_lines
 
 DEFAULT_PROMPT = "the neuron core"
 DEFAULT_NEW_TOKENS = 16
@@ -153,7 +153,8 @@ class _Counters:
             from .. import simulator
 
             st = simulator.stats()
-            out.update({k: st[k] for k in ("compiles", "eager_signatures", "h2d_bytes", "d2h_bytes", "d2d_bytes")})
+            keys = ("compiles", "compile_cache_hits", "eager_signatures", "eager_compiles", "eager_cache_hits")
+            out.update({k: st[k] for k in (*keys, "h2d_bytes", "d2h_bytes", "d2d_bytes")})
             out["signatures"] = set(st["eager_signature_list"])
         return out
 
@@ -257,12 +258,18 @@ def _render(result: dict[str, Any]) -> str:
     if result["device"] == "simulated":
         lines.append(
             f'compiles    first call: {plural(first["compiles"], "graph")} compiled with the "neuron" backend, '
-            f"{plural(first['eager_signatures'], 'eager op signature')}; second call: {second['compiles']} new "
-            f"graph(s), {second['eager_signatures']} new signature(s)"
+            f"{first['compile_cache_hits']} loaded from the NEFF cache; "
+            f"{plural(first['eager_compiles'], 'eager op signature')} compiled, {first['eager_cache_hits']} loaded"
+        )
+        lines.append(
+            f"            second call: {second['compiles']} new graph(s), {second['eager_signatures']} new signature(s)"
         )
         est = result["estimate"]
+        lines.append(f"            on Trainium: ~{duration(est['seconds'])} of compiling ({_costs.describe(est)})")
+        again = "" if est["saved_seconds"] else "; run the demo again for a warm start"
         lines.append(
-            f"            on Trainium that would be ~{duration(est['seconds'])} of compiling: {_costs.describe(est)}"
+            f"            cold cache ~{duration(est['cold_seconds'])}: the NEFF cache saved "
+            f"~{duration(est['saved_seconds'])} ({cache_line(result['compile_cache'])}{again})"
         )
         lines.append(
             f"transfers   load: host->device {size(result['load']['h2d_bytes'])}; first generate: host->device "
@@ -299,8 +306,16 @@ def run(args: argparse.Namespace) -> int:
         result["hbm_per_core"] = state().hbm_bytes
     result.update(_run_job(args, kind, path, progress))
     if kind == "simulated":
+        from .. import simulator
+
         first = result["first_generate"]
-        result["estimate"] = _costs.estimate(first["compiles"], first["eager_signatures"])
+        result["estimate"] = _costs.estimate(
+            first["compiles"],
+            first["eager_compiles"],
+            cached_graphs=first["compile_cache_hits"],
+            cached_signatures=first["eager_cache_hits"],
+        )
+        result["compile_cache"] = simulator.stats()["compile_cache"]
     result["patches_applied"] = _applied_patches()
     if args.json:
         print_json(result)

@@ -38,7 +38,7 @@ KEY_SETTINGS = {
     "NEURON_LOGICAL_NC_CONFIG": "unset (trn2 default: LNC=2)",
     "NEURON_RT_VISIBLE_CORES": "unset (all cores)",
     "NEURON_RT_NUM_CORES": "unset",
-    "TORCH_NEURONX_NEFF_CACHE_DIR": "unset (torch-neuronx's default NEFF cache)",
+    "TORCH_NEURONX_NEFF_CACHE_DIR": "unset (the default, see Compile cache)",
     "TORCH_NEURONX_DEBUG_DIR": "unset (/tmp/neuron_backend)",
     "HF_DEACTIVATE_ASYNC_LOAD": "unset",
 }
@@ -161,15 +161,56 @@ def _settings() -> dict[str, str | None]:
 
 
 def _cache(kind: str | None) -> dict[str, Any]:
-    cache = {
-        "neff_cache_dir": os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR"),
+    """The NEFF cache this process would use: the simulator's own, or torch-neuronx's, with its size."""
+    from ..simulator import neff_cache
+
+    cache: dict[str, Any] = {
+        "neff_cache_dir": os.environ.get(neff_cache.CACHE_DIR_ENV),
         "debug_dir": os.environ.get("TORCH_NEURONX_DEBUG_DIR") or "/tmp/neuron_backend",
     }
     if kind == "simulated":
         from ..simulator._build import cache_dir
 
+        cache["neff_cache"] = {**neff_cache.from_environment(warn=False).describe(usage=True), "simulated": True}
         cache["simulator_build_cache"] = str(cache_dir())
+    else:
+        root = cache["neff_cache_dir"] or neff_cache.REAL_DEFAULT_DIR
+        entries, size = neff_cache.disk_usage(root)
+        disabled = os.environ.get(neff_cache.DISABLE_ENV, "").strip() == "1"  # torch-neuronx's own test
+        cache["neff_cache"] = {
+            "dir": root,
+            "enabled": not disabled,
+            "reason": f"{neff_cache.DISABLE_ENV}=1" if disabled else None,
+            "exists": os.path.isdir(root),
+            "entries": entries,
+            "bytes": size,
+            "simulated": False,
+        }
+    cache["setting_errors"] = neff_cache.setting_errors()
     return cache
+
+
+def _cache_lines(cache: dict[str, Any]) -> list[str]:
+    from ..simulator.neff_cache import REAL_DEFAULT_DIR
+
+    neff = cache["neff_cache"]
+    where = neff["dir"] or "-"
+    if not neff["enabled"]:
+        state = f"off ({neff.get('reason')})"
+    elif neff["simulated"]:
+        state = f"simulated: {neff['entries']} entries, {size(neff['bytes'])}"
+    elif not neff.get("exists"):
+        state = "torch-neuronx's; not created yet"
+    else:
+        state = f"torch-neuronx's: {neff['entries']} entries, {size(neff['bytes'])}"
+    lines = ["Compile cache", f"  {'NEFF cache':<30} {where} ({state})"]
+    if neff["simulated"]:
+        lines.append(
+            f"  {'':<30} not torch-neuronx's {REAL_DEFAULT_DIR}: a simulated run never writes into a real cache"
+        )
+    if cache.get("simulator_build_cache"):
+        lines.append(f"  {'simulator build cache':<30} {cache['simulator_build_cache']}")
+    return lines
 
 
 def _apply_pending_patches(progress: Progress) -> tuple[set[str], list[str]]:
@@ -337,9 +378,7 @@ def render(facts: dict[str, Any], verbose: bool = False) -> str:
     lines += ["", *_device_lines(facts), "", "Settings"]
     for name, value in facts["settings"].items():
         lines.append(f"  {name:<30} {value if value is not None else KEY_SETTINGS.get(name, 'unset')}")
-    cache = facts["compile_cache"]
-    if cache.get("simulator_build_cache"):
-        lines.append(f"  {'simulator build cache':<30} {cache['simulator_build_cache']}")
+    lines += ["", *_cache_lines(facts["compile_cache"])]
     lines += ["", *_status_lines(facts["status"], verbose)]
     for failure in facts["import_failures"]:
         lines.append(f"  could not import {failure}")

@@ -21,7 +21,9 @@ script, `python -m ...`, `accelerate launch ...`, `torchrun ...`), then print a
 dry-run report: where the model landed on each core, peak memory per core,
 graphs compiled and their input shapes, eager op signatures, host/device
 transfers, the top causes of recompiles and an estimate of the compile time
-the run would pay on Trainium. No Trainium and no script change needed.
+the run would pay on Trainium, cold and with what the simulated NEFF cache
+(TORCH_NEURONX_NEFF_CACHE_DIR) already holds. No Trainium and no script change
+needed.
 
 The default device is one trn2 chip at LNC=2: 4 cores of 24 GiB.
 The exit code is CMD's."""

@@ -23,9 +23,11 @@ What is modelled and what is not (also in the README's fidelity table):
   ``NEURON_RT_NUM_CORES``, lazy runtime initialisation, fork-after-init
   refusal, per-core RNG, autocast policy, pinned host memory, device-mismatch
   errors, graph compiles of the ``"neuron"`` backend (AOTAutograd forward /
-  backward graphs), eager signatures, transfer bytes, the c10d init-order rule.
+  backward graphs), eager signatures, transfer bytes, the c10d init-order rule,
+  the persistent NEFF cache (:mod:`.neff_cache`: hits and misses across
+  processes and runs, for graphs and eager signatures).
 - not modelled: timing, numerics of Neuron kernels (results are CPU results,
-  e.g. no bf16 matmul accumulation differences), the NEFF cache, LNC (cores
+  e.g. no bf16 matmul accumulation differences), LNC (cores
   are logical cores of ``ACCELERATE_NEURON_SIM_HBM`` each), the caching
   allocator (reserved == allocated), streams (all work is synchronous),
   collectives' performance (they run on gloo).
@@ -126,7 +128,7 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
             )
 
         from ..import_hooks import when_imported
-        from . import _build, compile_backend, device_module, distributed, torch_neuronx_shim
+        from . import _build, compile_backend, device_module, distributed, eager_cache, torch_neuronx_shim
 
         lib = _build.load(torch)
         state = SimState(lib=lib, total_cores=cores, hbm_bytes=hbm_bytes)
@@ -138,6 +140,7 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
         )
         os.register_at_fork(after_in_child=lib.nsim_mark_bad_fork)
+        eager_cache.settle_at_exit(_signatures)
         torch_neuronx_shim.install_finder()
         when_imported("torch._dynamo", compile_backend.register)
         when_imported("torch.distributed", distributed.register)
@@ -148,34 +151,56 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
     announce_registered("simulator.install()")
 
 
+def _signatures() -> list[str]:
+    """The distinct eager signatures recorded since the last reset, in first-seen order."""
+    from .runtime import state as get_state
+
+    lib = get_state().lib
+    size = lib.nsim_signatures(None, 0)
+    buf = bytes(size)
+    lib.nsim_signatures(buf, size)
+    return [s for s in buf.decode().split("\n") if s]
+
+
 def stats() -> dict[str, Any]:
     """What Neuron would have paid so far in this process.
 
-    ``compiles``: graphs handed to the ``"neuron"`` compiler (AOTAutograd
-    forward/backward/inference graphs); ``graphs``: one record each, with input
-    shapes; ``dynamo_graphs``: Dynamo graphs behind them; ``eager_signatures``:
-    distinct (op, shapes, dtypes) run eagerly on a neuron device, which Neuron's
-    eager mode compiles one by one; ``eager_ops``: eager op executions;
+    ``compiles``: graphs the ``"neuron"`` compiler compiled (AOTAutograd
+    forward/backward/inference graphs that missed the NEFF cache);
+    ``compile_cache_hits``: graphs loaded from it instead (compiled earlier by
+    this process, a previous run, or another rank); ``graphs``: one record per
+    graph handed to the backend, with input shapes and ``cache`` (``hit`` /
+    ``miss``) and ``cache_key``; ``dynamo_graphs``: Dynamo graphs behind them;
+    ``eager_signatures``: distinct (op, shapes, dtypes) run eagerly on a neuron
+    device, which Neuron's eager mode compiles one by one on a cold cache, of
+    which ``eager_cache_hits`` were loaded from the NEFF cache and
+    ``eager_compiles`` compiled; ``eager_ops``: eager op executions;
     ``h2d_bytes`` / ``d2h_bytes`` / ``d2d_bytes``; per-core ``memory_allocated``
-    and ``max_memory_allocated`` (keyed by visible core index).
+    and ``max_memory_allocated`` (keyed by visible core index);
+    ``compile_cache``: where the NEFF cache is and whether it is on.
+
+    Reading the stats settles the eager signatures run since the last call
+    against the NEFF cache (see :mod:`.eager_cache`).
     """
-    from . import compile_backend
+    from . import compile_backend, eager_cache, neff_cache
     from .runtime import state as get_state
 
     state = get_state()
     lib = state.lib
     count = state.device_count()
-    size = lib.nsim_signatures(None, 0)
-    buf = bytes(size)
-    lib.nsim_signatures(buf, size)
-    signatures = [s for s in buf.decode().split("\n") if s]
+    signatures = _signatures()
+    eager_hits, eager_misses = eager_cache.settle(signatures)
     graphs = compile_backend.graph_records()
+    compiled, loaded = compile_backend.cache_counts()
     return {
-        "compiles": len(graphs),
+        "compiles": compiled,
+        "compile_cache_hits": loaded,
         "graphs": graphs,
         "dynamo_graphs": compile_backend.dynamo_graph_count(),
         "eager_signatures": len(signatures),
         "eager_signature_list": signatures,
+        "eager_cache_hits": eager_hits,
+        "eager_compiles": eager_misses,
         "eager_ops": int(lib.nsim_counter(3)),
         "h2d_bytes": int(lib.nsim_counter(0)),
         "d2h_bytes": int(lib.nsim_counter(1)),
@@ -186,13 +211,20 @@ def stats() -> dict[str, Any]:
         "visible_cores": list(state.visible),
         "hbm_per_core": state.hbm_bytes,
         "initialized": state.is_initialized(),
+        "compile_cache": neff_cache.current().describe(),
     }
 
 
 def reset_stats() -> None:
-    """Zero the counters (compiles, eager signatures, transfers, peaks); memory in use stays."""
-    from . import compile_backend
+    """Zero the counters (compiles, eager signatures, transfers, peaks); memory in use stays.
+
+    The NEFF cache keeps what was compiled: compiling the same graph or eager op
+    again after a reset is a cache hit, as it is on Neuron.
+    """
+    from . import compile_backend, eager_cache
     from .runtime import state as get_state
 
+    eager_cache.settle(_signatures())  # what ran before the reset still reaches the cache
+    eager_cache.forget()
     get_state().lib.nsim_reset_stats()
     compile_backend.reset()

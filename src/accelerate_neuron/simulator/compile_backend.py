@@ -1,23 +1,30 @@
 """The simulated ``"neuron"`` torch.compile backend.
 
 Like torch-neuronx, it hands AOTAutograd's graphs (forward, backward, or a
-single inference graph) to "the compiler". Here compiling means recording the
-graph and its input shapes; running it executes the graph's aten ops on the
-device with eager-signature counting suspended, because on Neuron those ops
-are one compiled NEFF, not op-by-op eager work.
+single inference graph) to "the compiler", through the NEFF cache
+(:mod:`.neff_cache`): a graph already compiled, by this process or by an
+earlier or concurrent one sharing the cache, is a hit and costs no compile.
+Here compiling means recording the graph, its input shapes and its cache entry;
+running it executes the graph's aten ops on the device with eager-signature
+counting suspended, because on Neuron those ops are one compiled NEFF, not
+op-by-op eager work. Hit or miss, the graph runs the same way on the CPU.
 
 Registered only by the simulator: a real torch-neuronx registers its own.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from . import graph_key, neff_cache
 from .runtime import state
+
+logger = logging.getLogger("accelerate_neuron")
 
 BACKEND_NAME = "neuron"
 
@@ -79,7 +86,27 @@ def _frame_of(gm: torch.fx.GraphModule) -> dict[str, Any] | None:
         return None
 
 
-def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any]) -> Callable:
+def _through_cache(
+    record: dict[str, Any], gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any]
+) -> None:
+    """Look the graph up in the NEFF cache ("compiling" it on a miss); note the outcome in ``record``."""
+    try:
+        key = graph_key.graph_key(gm, example_inputs, kind=record["kind"], options=options)
+    except Exception as exc:  # an unforeseen graph must still run: it then counts as compiled
+        logger.debug("accelerate_neuron: no NEFF cache key for a %s graph (%s)", record["kind"], exc)
+        record.update(cache=neff_cache.MISS, cache_source="unkeyed", cache_key=None)
+        return
+    summary = {"what": "graph", **{k: record[k] for k in ("kind", "inputs", "num_nodes", "frame")}}
+    try:
+        lookup = neff_cache.current().get_or_compile(key, lambda: {**summary, **graph_key.versions()})
+    except Exception as exc:  # the cache is an optimisation: a failure in it never stops the user's graph
+        logger.warning("accelerate_neuron: NEFF cache lookup failed (%s); the graph counts as compiled", exc)
+        record.update(cache=neff_cache.MISS, cache_source="error", cache_key=key)
+        return
+    record.update(cache=lookup.status, cache_source=lookup.source, cache_key=key)
+
+
+def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any], options: Mapping[str, Any]) -> Callable:
     def compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record = {
             "kind": kind,
@@ -90,6 +117,7 @@ def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any]) -> Cal
             "inputs": [_describe(x) for x in example_inputs],
             "num_nodes": sum(1 for _ in gm.graph.nodes),
         }
+        _through_cache(record, gm, example_inputs, options)
         with _lock:
             record["index"] = len(_graphs)
             _graphs.append(record)
@@ -121,9 +149,9 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **op
     names = _input_names(gm)
     context["dynamo_inputs"] = [{"name": n, **_describe(x)} for n, x in zip(names, example_inputs, strict=False)]
     backend = aot_autograd(
-        fw_compiler=_make_compiler("forward", dynamo_index, context),
-        bw_compiler=_make_compiler("backward", dynamo_index, context),
-        inference_compiler=_make_compiler("inference", dynamo_index, context),
+        fw_compiler=_make_compiler("forward", dynamo_index, context, options),
+        bw_compiler=_make_compiler("backward", dynamo_index, context, options),
+        inference_compiler=_make_compiler("inference", dynamo_index, context, options),
     )
     return backend(gm, example_inputs)
 
@@ -139,6 +167,13 @@ def register(_module: object = None) -> None:
 def graph_records() -> list[dict[str, Any]]:
     with _lock:
         return [dict(r) for r in _graphs]
+
+
+def cache_counts() -> tuple[int, int]:
+    """(graphs compiled, graphs loaded from the NEFF cache) since the last reset."""
+    with _lock:
+        hits = sum(1 for r in _graphs if r.get("cache") == neff_cache.HIT)
+        return len(_graphs) - hits, hits
 
 
 def dynamo_graph_count() -> int:
