@@ -310,6 +310,19 @@ def test_recompile_causes_name_the_changing_input_and_other_guards() -> None:
     assert next(iter(recompile_causes(graphs)))["frame"] == "0"  # most recompiles first
 
 
+def test_recompile_causes_tell_generates_prefill_then_decode_from_a_new_shape() -> None:
+    prefill_then_decode = [
+        _graph("0/0", 0, **{"L['kwargs']['input_ids']": [2, 32], "L['kwargs']['mask']": [2, 1, 32, 64]}),
+        _graph("0/1", 1, **{"L['kwargs']['input_ids']": [2, 1], "L['kwargs']['mask']": [2, 1, 1, 64]}),
+        _graph("0/2", 2, **{"L['kwargs']['input_ids']": [2, 64], "L['kwargs']['mask']": [2, 1, 64, 128]}),
+    ]
+    causes = recompile_causes(prefill_then_decode)
+    assert sorted((c["kind"], c["recompiles"]) for c in causes) == [("decode", 1), ("shape", 1)]
+    # A new prompt length is never the prefill/decode pair, even when it follows a decode step.
+    growing = [_graph(f"0/{n}", n, input_ids=[1, 7 + n]) for n in range(3)]
+    assert [(c["kind"], c["recompiles"]) for c in recompile_causes(growing)] == [("shape", 2)]
+
+
 def test_graph_breaks_and_frame_functions_reach_the_report(sim: object) -> None:
     def step(x: torch.Tensor) -> torch.Tensor:
         y = x.sin()

@@ -179,6 +179,24 @@ def _changes(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[
 
 
 _INDEX = re.compile(r"\d+")
+# The token input of a generate() forward: its sequence length tells the prefill from the decode step.
+_TOKENS = re.compile(r"(?:^|\['|\.)(?:decoder_)?input_ids(?:'\])?$")
+_DIMS = re.compile(r"\[([\d,]*)\]$")
+
+
+def _sequence_length(described: str) -> int | None:
+    match = _DIMS.search(described)
+    dims = match.group(1).split(",") if match and match.group(1) else []
+    return int(dims[-1]) if len(dims) >= 2 else None
+
+
+def _prefill_then_decode(changes: list[tuple[str, str, str]]) -> bool:
+    """The frame compiled once for a prompt and once for one new token: generate()'s two graphs, by design."""
+    for name, old, new in changes:
+        if _TOKENS.search(name):
+            before, after = _sequence_length(old), _sequence_length(new)
+            return before is not None and before > 1 and after == 1
+    return False
 
 
 def _classify(changes: list[tuple[str, str, str]]) -> str:
@@ -186,14 +204,15 @@ def _classify(changes: list[tuple[str, str, str]]) -> str:
 
     ``module``: the same code ran for a module with other weights (one graph per module, e.g. a hook
     around every layer); ``shape``: same inputs, new shapes; ``object``: the same code entered for
-    another object (``layers[0]`` -> ``layers[1]``); ``inputs``: other inputs; ``guard``: no input changed.
+    another object (``layers[0]`` -> ``layers[1]``); ``inputs``: other inputs; ``guard``: no input changed;
+    ``decode``: the shapes changed from a prompt's to one token's (the prefill, then the decode step).
     """
     if not changes:
         return "guard"
     if any(_WEIGHT.search(name) for name, _, _ in changes):
         return "module"
     if all("absent" not in (old, new) for _, old, new in changes):
-        return "shape"
+        return "decode" if _prefill_then_decode(changes) else "shape"
     gone = sorted(_INDEX.sub("#", n) for n, _, new in changes if new == "absent")
     came = sorted(_INDEX.sub("#", n) for n, old, _ in changes if old == "absent")
     if gone and gone == came and all("absent" in (old, new) for _, old, new in changes):
@@ -216,7 +235,7 @@ def recompile_causes(graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             changes = _changes(before, after)
             kind = _classify(changes)
             # A shape change is told apart by input; other kinds are one cause per frame.
-            names = sorted({n for n, _, _ in changes}) if kind == "shape" else []
+            names = sorted({n for n, _, _ in changes}) if kind in ("shape", "decode") else []
             cause = causes.setdefault(
                 (frame, kind, tuple(names)),
                 {

@@ -108,6 +108,7 @@ def _eager(report: dict[str, Any]) -> list[str]:
 _KIND_TEXT = {
     "module": "the same code ran for another module, with other weights (one graph per module)",
     "shape": "input shapes changed",
+    "decode": "generate()'s prefill, then its decode step (one graph each, as intended)",
     "object": "the same code ran for another object (one graph per object)",
     "inputs": "the frame's inputs changed",
     "guard": "no input changed: a guard on something else failed (a Python value, a global, an attribute)",
@@ -133,10 +134,11 @@ def _causes(report: dict[str, Any]) -> list[str]:
             lines.append(f"    {name}: {' -> '.join(seq)}")
         if len(values) > MAX_INPUTS_PER_CAUSE:
             lines.append(f"    ... {len(values) - MAX_INPUTS_PER_CAUSE} more input(s)")
-    lines.append(
-        "  Each new shape is a new NEFF on Neuron: pad to fixed lengths or buckets, use a static KV cache, "
-        "keep growing tensors off the compiled graph."
-    )
+    if any(cause["kind"] != "decode" for cause in causes):
+        lines.append(
+            "  Each new shape is a new NEFF on Neuron: pad to fixed lengths or buckets, use a static KV cache, "
+            "keep growing tensors off the compiled graph."
+        )
     return lines
 
 
