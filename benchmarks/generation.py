@@ -25,20 +25,22 @@ microseconds per step are reported too.
 A second table counts compiled graphs across 10 different ``max_new_tokens``
 (each run stopped after 2 tokens: the cache is sized by ``max_new_tokens``).
 
-The workload section is a job the defaults were not tuned for: ``--prompts``
-prompts (default 48) whose token lengths are drawn from a lognormal
-distribution (median 64 tokens, sigma 1.0, clipped to 8-1,024), grouped into
-batches of mixed sizes (1, 2, 3, 4, 6 or 8 prompts, uniformly drawn, left
-padded), ``max_new_tokens=16``, greedy, on a tiny Qwen3 with a 2,048-token
-context. Patched (prompt and batch buckets, compiled prefill) against the
-seed's stock recipe (``cache_implementation="static"``, inputs on the host
-where the release allows it, else on the device) in the same process: compiled
-graphs, eager signatures, the cost model's first-run compile time on Trainium,
-padding overhead (padded tokens processed / real tokens) and CPU wall time.
-Every patched result is checked against the stock one.
+The workload section is a job the defaults were not tuned for: ``--passes``
+(default 4) passes of ``--prompts`` prompts (default 48), one after the other
+in one process on one (initially cold) NEFF cache, whose token lengths are
+drawn from a lognormal distribution (median 64 tokens, sigma 1.0, clipped to
+8-1,024), grouped into batches of mixed sizes (1, 2, 3, 4, 6 or 8 prompts,
+uniformly drawn, left padded), ``max_new_tokens=16``, greedy, on a tiny Qwen3
+with a 2,048-token context. Patched (prompt and batch buckets, compiled
+prefill) against the seed's stock recipe (``cache_implementation="static"``,
+inputs on the host where the release allows it, else on the device), and a
+model split over two cores with and without buckets: compiled graphs and eager
+signatures each pass compiles, the cost model's compile time on Trainium,
+padding overhead (positions computed / real positions) and CPU wall time.
+Every result is checked against the stock one.
 
-    python benchmarks/generation.py [--tokens 8 16 32] [--vocab 32000] [--prompts 48] [--seed 0]
-                                    [--only workload|steps] [--output FILE]
+    python benchmarks/generation.py [--tokens 8 16 32] [--vocab 32000] [--prompts 48] [--passes 4]
+                                    [--seed 0] [--only workload|steps] [--output FILE]
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ from accelerate_neuron import activation, hookimpl, plugins, simulator, tiny
 from accelerate_neuron.builtin.generation import cache as gcache
 from accelerate_neuron.builtin.generation import devices as gdev
 from accelerate_neuron.builtin.generation import shapes
-from accelerate_neuron.cli._costs import describe, estimate
+from accelerate_neuron.cli import _costs
+from accelerate_neuron.cli._costs import estimate
 from accelerate_neuron.simulator import neff_cache
 
 PROMPT = "the neuron core runs the compiled graph"
@@ -174,12 +177,14 @@ def _graphs_across_lengths(vocab: int, enc: dict, **kwargs) -> int:
 WORKLOAD_CONTEXT = 2048
 WORKLOAD_NEW_TOKENS = 16
 BATCH_CHOICES = (1, 2, 3, 4, 6, 8)
+WORKLOAD_MAX_PROMPT = 1024
 
 
 def workload_batches(prompts: int, seed: int, vocab: int) -> list[list[list[int]]]:
     """Batches of token-id prompts: lognormal lengths (median 64, sigma 1, 8-1,024), mixed batch sizes."""
     gen = torch.Generator().manual_seed(seed)
-    lengths = torch.empty(prompts).log_normal_(mean=4.1589, std=1.0, generator=gen).round().clamp(8, 1024).long()
+    lengths = torch.empty(prompts).log_normal_(mean=4.1589, std=1.0, generator=gen)
+    lengths = lengths.round().clamp(8, WORKLOAD_MAX_PROMPT).long()
     ids = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in lengths]
     batches, i = [], 0
     while i < len(ids):
@@ -231,77 +236,95 @@ def _split_model(vocab: int):
     return dispatch_model(_workload_model(vocab), device_map)
 
 
+def _positions(batches, policy, bucket_rows: bool, bucket_columns: bool) -> int:
+    """Positions run through the model: the prefill's (rows x prompt columns) plus one per row per decode step."""
+    steps = WORKLOAD_NEW_TOKENS - 1
+    total = 0
+    for b in batches:
+        width = max(map(len, b))  # upstream pads a batch to its longest prompt
+        columns = (policy.prompt_bucket(width) or width) if bucket_columns else width
+        rows = (policy.batch_bucket(len(b)) or len(b)) if bucket_rows else len(b)
+        total += rows * (columns + steps)
+    return total
+
+
+def _reachable_graphs(policy) -> int:
+    """Upper bound of the patched job's graphs: (prompt bucket, batch bucket) prefills + (cache, batch) decodes."""
+    prompts = [bk for bk in policy.prompt_buckets if bk <= policy.prompt_bucket(WORKLOAD_MAX_PROMPT)]
+    rows = [bk for bk in policy.batch_buckets if bk <= policy.batch_bucket(max(BATCH_CHOICES))]
+    caches = {max(64, 1 << (bk + WORKLOAD_NEW_TOKENS - 1).bit_length()) for bk in prompts}  # pow2 cache buckets
+    return len(rows) * (len(prompts) + len(caches))
+
+
 def workload_section(args) -> list[str]:
-    batches = workload_batches(args.prompts, args.seed, args.vocab)
-    more = workload_batches(args.prompts, args.seed + 1, args.vocab)  # the job goes on: new prompts, same process
+    # One job that goes on: pass k is --prompts new prompts (seed + k) in the same process, on the same cache.
+    passes = [workload_batches(args.prompts, args.seed + k, args.vocab) for k in range(args.passes)]
     model = _workload_model(args.vocab).to("neuron")
-    patched = _run_workload(model, batches, stock=False)
-    patched_more = _run_workload(model, more, stock=False, fresh=False)
-    with activation.unpatched():
-        stock = _run_workload(model, batches, stock=True)
-        stock_more = _run_workload(model, more, stock=True, fresh=False)
-    same = all(
-        torch.equal(a, b)
-        for x, y in ((patched, stock), (patched_more, stock_more))
-        for a, b in zip(x["outputs"], y["outputs"], strict=True)
-    )
     split = _split_model(args.vocab)
-    split_patched = _run_workload(split, batches, stock=False)
+
+    def job(target, stock: bool) -> list[dict]:
+        return [_run_workload(target, batches, stock=stock, fresh=k == 0) for k, batches in enumerate(passes)]
+
+    runs = {"accelerate-neuron": job(model, stock=False)}
+    with activation.unpatched():
+        runs["stock + static"] = job(model, stock=True)
+    runs["accelerate-neuron, model split over 2 cores (eager, prompt buckets only)"] = job(split, stock=False)
     os.environ[shapes.PROMPT_BUCKETS_ENV] = os.environ[shapes.BATCH_BUCKETS_ENV] = "off"
     try:
-        split_unbucketed = _run_workload(split, batches, stock=False)
+        runs["accelerate-neuron, model split over 2 cores, buckets off"] = job(split, stock=False)
     finally:
         del os.environ[shapes.PROMPT_BUCKETS_ENV], os.environ[shapes.BATCH_BUCKETS_ENV]
-    same &= all(torch.equal(a, b) for a, b in zip(split_patched["outputs"], stock["outputs"], strict=True))
+    reference = runs["stock + static"]
+    same = all(
+        torch.equal(a, b)
+        for job_runs in runs.values()
+        for run, ref in zip(job_runs, reference, strict=True)
+        for a, b in zip(run["outputs"], ref["outputs"], strict=True)
+    )
     policy = shapes.resolve_policy(WORKLOAD_CONTEXT)
-    # Positions run through the model: the prefill's (rows x prompt columns) plus one per row per decode step.
-    steps = WORKLOAD_NEW_TOKENS - 1
-    real = sum(len(p) + steps for b in batches for p in b)
-    padded = split_padded = 0
-    for b in batches:
-        width = max(map(len, b))
-        bucket = policy.prompt_bucket(width) or width
-        padded += (policy.batch_bucket(len(b)) or len(b)) * (bucket + steps)
-        split_padded += len(b) * (bucket + steps)
-    stock_tokens = sum(len(b) * (max(map(len, b)) + steps) for b in batches)  # upstream pads a batch to its longest
-    lengths = sorted(len(p) for b in batches for p in b)
-    sizes = [len(b) for b in batches]
+    everything = [b for batches in passes for b in batches]
+    real = sum(len(p) + WORKLOAD_NEW_TOKENS - 1 for b in everything for p in b)
+    positions = {
+        "accelerate-neuron": _positions(everything, policy, bucket_rows=True, bucket_columns=True),
+        "stock + static": _positions(everything, policy, bucket_rows=False, bucket_columns=False),
+    }
+    positions[next(k for k in runs if "prompt buckets only" in k)] = _positions(
+        everything, policy, bucket_rows=False, bucket_columns=True
+    )
+    positions[next(k for k in runs if "buckets off" in k)] = positions["stock + static"]
     rows = []
-    for name, run, then, tokens in (
-        ("accelerate-neuron", patched, patched_more, padded),
-        ("stock + static", stock, stock_more, stock_tokens),
-        ("accelerate-neuron, model split over 2 cores (eager, prompt buckets only)", split_patched, None, split_padded),
-        ("accelerate-neuron, model split over 2 cores, buckets off", split_unbucketed, None, stock_tokens),
-    ):
-        stats = run["stats"]
-        graphs = stats["compiles"]  # NEFF cache misses; the cache starts cold, so every distinct graph
-        cost = estimate(graphs, stats["eager_compiles"])
-        if then is None:
-            later = "-"
-        else:  # what the warm process still compiles for new prompts (cache hits cost nothing)
-            extra = estimate(then["stats"]["compiles"], then["stats"]["eager_compiles"])
-            later = (
-                f"{then['stats']['compiles']} graphs + {then['stats']['eager_compiles']} signatures = "
-                f"{extra['seconds'] / 60:.0f} min"
-            )
+    for name, job_runs in runs.items():
+        graphs = [r["stats"]["compiles"] for r in job_runs]  # NEFF cache misses: what this pass compiled
+        eager = [r["stats"]["eager_compiles"] for r in job_runs]
+        per_pass = [estimate(g, e)["seconds"] / 60 for g, e in zip(graphs, eager, strict=True)]
+        total = estimate(sum(graphs), sum(eager))
         rows.append(
-            f"| {name} | {graphs} | {stats['eager_compiles']} | {cost['seconds'] / 60:.0f} min "
-            f"({describe(cost)}) | {later} | {tokens / real:.2f} | {run['seconds']:.1f} s |"
+            f"| {name} | {' + '.join(map(str, graphs))} = {sum(graphs)} | {' + '.join(map(str, eager))} = "
+            f"{sum(eager)} | {' + '.join(f'{m:.0f}' for m in per_pass)} = {total['seconds'] / 60:.0f} min | "
+            f"{positions[name] / real:.2f} | {sum(r['seconds'] for r in job_runs):.0f} s |"
         )
+    lengths = sorted(len(p) for b in everything for p in b)
+    calls = [len(batches) for batches in passes]
     return [
-        f"Workload: {len(lengths)} prompts in {len(batches)} generate() calls; prompt lengths lognormal (median 64, "
-        f"sigma 1, clipped to 8-1,024): min {lengths[0]}, median {lengths[len(lengths) // 2]}, max {lengths[-1]} "
-        f"tokens, {len(set(lengths))} distinct; batch sizes {', '.join(map(str, sizes))}; "
-        f"max_new_tokens={WORKLOAD_NEW_TOKENS}, greedy; tiny Qwen3 with a {WORKLOAD_CONTEXT}-token context, "
-        f"vocab {args.vocab}; seed {args.seed}. Stock inputs on the "
-        f"{'host' if stock['host_inputs'] else 'device (4.x refuses host inputs)'}. "
-        f"Patched tokens (one core and split) identical to stock: {'yes' if same else 'NO'}. The cost model prices "
-        "every graph alike; a 1,024-token prefill graph compiles longer than a decode step.",
+        f"Workload: {args.passes} passes of {args.prompts} prompts each (seeds {args.seed}-"
+        f"{args.seed + args.passes - 1}), one after the other in the same process: {len(lengths)} prompts in "
+        f"{sum(calls)} generate() calls. Prompt "
+        f"lengths lognormal (median 64, sigma 1, clipped to 8-1,024): min {lengths[0]}, median "
+        f"{lengths[len(lengths) // 2]}, max {lengths[-1]} tokens, {len(set(lengths))} distinct; batch sizes drawn "
+        f"uniformly from {', '.join(map(str, BATCH_CHOICES))} (left padded); max_new_tokens={WORKLOAD_NEW_TOKENS}, "
+        f"greedy; tiny Qwen3 with a {WORKLOAD_CONTEXT}-token context, vocab {args.vocab}. The NEFF cache starts "
+        "cold and is kept between passes (one long job); each cell gives pass 1 + pass 2 + ... Stock inputs on the "
+        f"{'host' if reference[0]['host_inputs'] else 'device (4.x refuses host inputs)'}. Every setting's tokens "
+        f"identical to stock's: {'yes' if same else 'NO'}. Patched graphs can never exceed "
+        f"{_reachable_graphs(policy)} for this distribution (prefills per reachable (prompt bucket, "
+        "batch bucket), decodes per (cache bucket, batch bucket)); stock has no bound but Dynamo's recompile limit "
+        "(8 per frame), after which it runs the decode step eagerly. Cost model: "
+        f"{_costs.SECONDS_PER_GRAPH:.0f} s per graph, {_costs.SECONDS_PER_EAGER_SIGNATURE:.0f} s per eager signature "
+        "(it prices every graph alike; a 1,024-token prefill graph compiles longer than a decode step).",
         "",
-        "| setting | compiled graphs | eager signatures | est. compile on Trainium | then "
-        f"{args.prompts} new prompts (seed + 1), same process: new compiles | positions computed per real position "
-        "(padding) | CPU wall (simulator) |",
-        "|---|---|---|---|---|---|---|",
+        "| setting | compiled graphs, per pass | eager signatures compiled, per pass | est. compile on Trainium "
+        "(cost model), per pass | positions computed per real position (padding) | CPU wall (simulator) |",
+        "|---|---|---|---|---|---|",
         *rows,
         "",
     ]
@@ -313,6 +336,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--prompts", type=int, default=48, help="prompts in the workload section")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and batch sizes")
+    parser.add_argument("--passes", type=int, default=4, help="workload passes of --prompts new prompts each")
     parser.add_argument("--only", choices=("workload", "steps"), help="run one section only")
     parser.add_argument("--output", help="append the markdown section to this file")
     args = parser.parse_args()
