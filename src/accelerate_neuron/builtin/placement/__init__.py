@@ -148,6 +148,21 @@ def neuron_patches() -> list[Patch]:
             name="placement.caching_allocator_warmup",
         ),
         Patch(
+            "transformers.integrations.hub_kernels",
+            "kernelize",
+            dispatch.wrap_kernelize,
+            reason="hand hub-kernel kernelize a Neuron device, not the core index kept in device_map "
+            "(upstream calls .type on it: AttributeError on every load placed off core 0)",
+            lacking="Transformers releases whose kernelize reads device_map (5.25)",
+            params=("model", "device_map"),
+            aliases=(
+                "transformers.modeling_utils.kernelize",
+                "transformers.integrations.kernelize",
+                "transformers.kernelize",
+            ),
+            name="placement.kernelize_device_map",
+        ),
+        Patch(
             "transformers.pipelines.base",
             "Pipeline.__init__",
             wrap_pipeline_init,

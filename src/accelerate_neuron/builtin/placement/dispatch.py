@@ -12,6 +12,9 @@
   ``normalize_device``), which safetensors refuses.
 - Transformers 4.57 ``caching_allocator_warmup`` allocates the whole model
   size on each accelerator, Neuron included (no reuse pool there: OOM risk).
+- Transformers 5.25 ``kernelize`` (hub kernels, on by default once ``kernels``
+  is installed) reads the execution device from ``device_map`` and cannot
+  take an int (``int.type``), which is what this plugin keeps there.
 """
 
 from __future__ import annotations
@@ -202,3 +205,36 @@ def wrap_caching_allocator_warmup(original: Callable[..., Any]) -> Callable[...,
         return original(model, kept, hf_quantizer)
 
     return caching_allocator_warmup
+
+
+# --- hub kernels ---------------------------------------------------------------------------------
+
+
+def wrap_kernelize(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``kernelize`` with the core indices of ``device_map`` spelled as Neuron devices.
+
+    Upstream takes the first non-CPU value of ``device_map`` as the execution
+    device and asks it for ``.type``; the ints this plugin keeps on the loading
+    path (safetensors refuses strings) have none. Only the copy handed to
+    ``kernelize`` changes: the model's ``hf_device_map`` keeps the ints.
+    """
+    import torch
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def kernelize(*args: Any, **kwargs: Any) -> Any:
+        bound = _bind(signature, args, kwargs)
+        device_map = bound.arguments.get("device_map") if bound is not None else None
+        if bound is None or not isinstance(device_map, dict) or device.device_count() == 0:
+            return original(*args, **kwargs)
+        spelled = {
+            name: torch.device(device.DEVICE_TYPE, value) if type(value) is int else value
+            for name, value in device_map.items()
+        }
+        if spelled != device_map:
+            bound.arguments["device_map"] = spelled
+            return original(*bound.args, **bound.kwargs)
+        return original(*args, **kwargs)
+
+    return kernelize
