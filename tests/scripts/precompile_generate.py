@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from accelerate_neuron import simulator, tiny
 
 WORDS = tiny.CORPUS.split()
-#: (prompt words, batch size, max_new_tokens): three prompt buckets, batch buckets 1, 2 and 4, two cache buckets.
-CALLS = [(3, 1, 8), (9, 1, 8), (20, 1, 8), (45, 1, 8), (5, 2, 8), (11, 3, 8), (7, 1, 50), (4, 1, 8)]
+#: (prompt words, batch size, max_new_tokens): prompt buckets 32 and 64, batch buckets 1, 2 and 4, cache buckets 64
+#: and 128; the last call repeats the first one's buckets with another prompt length.
+CALLS = [(3, 1, 8), (20, 1, 8), (5, 2, 8), (11, 3, 8), (7, 1, 50), (4, 1, 8)]
 
 
 def prompt(words: int, offset: int) -> str:
@@ -44,9 +45,9 @@ def main() -> None:
                 "compile_cache_hits": st["compile_cache_hits"],
                 "eager_compiles": st["eager_compiles"],
                 "eager_cache_hits": st["eager_cache_hits"],
+                "eager_signatures": st["eager_signature_list"],
                 "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
                 "missed": [g["inputs"][:2] for g in st["graphs"] if g["cache"] == "miss"],
-                "missed_eager": [],
                 "outputs": lengths,
             }
         )

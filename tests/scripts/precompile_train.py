@@ -12,7 +12,6 @@ import json
 import random
 import sys
 
-import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
 from accelerate_neuron import simulator, tiny
@@ -55,6 +54,7 @@ def main() -> None:
                 "compile_cache_hits": st["compile_cache_hits"],
                 "eager_compiles": st["eager_compiles"],
                 "eager_cache_hits": st["eager_cache_hits"],
+                "eager_signatures": st["eager_signature_list"],
                 "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
                 "missed": [[g["kind"], g["inputs"][:1]] for g in st["graphs"] if g["cache"] == "miss"],
                 "steps": result.global_step,
@@ -65,7 +65,6 @@ def main() -> None:
             }
         )
     )
-    del torch
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from . import session
@@ -100,7 +100,7 @@ def batch_shape(model: Any, batch: Any) -> dict[str, Any]:
     """Shapes and dtypes of a batch's tensors: what the compiled step's graphs depend on."""
     import torch
 
-    items = batch.items() if isinstance(batch, dict) else enumerate(batch if isinstance(batch, list | tuple) else [])
+    items = batch.items() if isinstance(batch, Mapping) else enumerate(batch if isinstance(batch, list | tuple) else [])
     tensors = {
         str(k): [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in items if isinstance(v, torch.Tensor)
     }
