@@ -12,7 +12,7 @@ import time as _time
 _IMPORT_STARTED = _time.perf_counter()  # the entry point's cost includes this package's import
 
 from importlib.metadata import PackageNotFoundError, version  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 from .hookspecs import hookimpl  # noqa: E402
 
@@ -24,7 +24,7 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "hookimpl", "status"]
+__all__ = ["__version__", "hookimpl", "precompile", "status"]
 
 _ENTRY_POINT = "import torch (torch.backends entry point)"
 
@@ -34,6 +34,49 @@ def status() -> Status:
     from .status_report import collect
 
     return collect()
+
+
+def precompile(target: Any, **options: Any) -> dict[str, Any]:
+    """Fill the NEFF cache for ``target`` in this process: a model's ``generate()`` shapes, or a ``Trainer``'s.
+
+    ``precompile(model, prompt_lengths=[32, 100], batch_sizes=[1, 4], max_new_tokens=64, **generate_kwargs)``
+    warms one prefill and one decode step per (prompt bucket, batch bucket, cache bucket) those calls reach;
+    ``precompile(trainer)`` runs the Trainer's own steps on one batch per length bucket, weights kept. Returns
+    the shapes found and warmed; on the simulated device also the graphs and eager signatures compiled now
+    and already cached, and the Trainium compile time paid now (cost model). The same warm-up as
+    ``accelerate-neuron precompile -- CMD``, with one worker.
+    """
+    from .builtin.warmup.api import precompile as warm
+
+    counter = _simulator_counts()
+    before = counter() if counter else None
+    report = warm(target, **options)
+    if counter and before is not None:
+        from . import costs
+
+        after = counter()
+        delta = {k: after[k] - before[k] for k in after}
+        report.update(delta)
+        report["estimate"] = costs.estimate(delta["graphs_compiled"], delta["eager_compiled"])
+    return report
+
+
+def _simulator_counts() -> Any:
+    from . import simulator
+
+    if not simulator.is_installed():
+        return None
+
+    def counts() -> dict[str, int]:
+        st = simulator.stats()
+        return {
+            "graphs_compiled": st["compiles"],
+            "graphs_cached": st["compile_cache_hits"],
+            "eager_compiled": st["eager_compiles"],
+            "eager_cached": st["eager_cache_hits"],
+        }
+
+    return counts
 
 
 def _activate_on_import() -> None:

@@ -21,6 +21,10 @@ Callback = Callable[[types.ModuleType], None]
 
 _lock = threading.RLock()
 _pending: dict[str, list[Callback]] = {}
+#: Awaited modules that were already executing when asked for (``transformers.trainer`` runs ``import torch``,
+#: whose entry point schedules the patches): their loader cannot be wrapped any more, so they fire at the next
+#: import of anything once they have finished.
+_midway: set[str] = set()
 
 
 def _run(callback: Callback, module: types.ModuleType) -> None:
@@ -43,7 +47,21 @@ def when_imported(name: str, callback: Callback) -> None:
         return
     with _lock:
         _pending.setdefault(name, []).append(callback)
+        if module is not None:
+            _midway.add(name)
         _ensure_finder()
+
+
+def _fire_finished() -> None:
+    """Fire the callbacks of awaited modules that were mid-import when asked for and have finished since."""
+    if not _midway:
+        return
+    with _lock:
+        finished = [n for n in _midway if n in sys.modules and not _is_initialising(sys.modules[n])]
+        _midway.difference_update(finished)
+        _midway.intersection_update(n for n in _midway if n in sys.modules)  # a failed import never finishes
+    for name in finished:
+        _fire(name, sys.modules[name])
 
 
 def _is_initialising(module: types.ModuleType) -> bool:
@@ -92,6 +110,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     _busy = threading.local()
 
     def find_spec(self, fullname, path=None, target=None):
+        _fire_finished()
         if fullname not in _pending or getattr(self._busy, "active", False):
             return None
         self._busy.active = True

@@ -159,7 +159,9 @@ def apply(patch: Patch, plugin: str = "") -> PatchRecord:
             record.detail = patch.gone or f"target not found: {patch.target} does not exist in this release"
             _log_skip(record)
             return record
-        if getattr(raw, MARKER, None) is not None:
+        marker = getattr(raw, MARKER, None)
+        # Another patch's wrapper (another key) is a target like any: this patch wraps it in turn.
+        if marker is not None and getattr(marker, "key", patch.key) == patch.key:
             record.status, record.detail = "applied", "already patched"
             return record
         func, rewrap = _unwrap_descriptor(raw)

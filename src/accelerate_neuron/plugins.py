@@ -33,6 +33,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "generation": "accelerate_neuron.builtin.generation",
     "training": "accelerate_neuron.builtin.training",
     "launch": "accelerate_neuron.builtin.launch",
+    "warmup": "accelerate_neuron.builtin.warmup",
 }
 
 

@@ -1,4 +1,5 @@
-"""The ``accelerate-neuron`` command: ``env`` (check the setup), ``simulate`` (dry run), ``demo`` (the main job)."""
+"""The ``accelerate-neuron`` command: ``env`` (check the setup), ``simulate`` (dry run), ``demo`` (the main job),
+``precompile`` (fill the NEFF cache ahead of a job)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ EPILOG = "Run `accelerate-neuron COMMAND --help` for a command's options."
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
-    from . import demo, env, simulate
+    from . import demo, env, precompile, simulate
 
     parser = argparse.ArgumentParser(
         prog="accelerate-neuron",
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(subparsers)
     env.add_parser(subparsers)
     simulate.add_parser(subparsers)
+    precompile.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,419 @@
+"""``accelerate-neuron precompile [--jobs N] -- CMD ...``: fill the NEFF cache before the job runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from .. import costs
+from ._common import CliError, core_count, duration, memory_size, non_negative_seconds, plural, print_json
+
+DEFAULT_CORES = 4
+DEFAULT_HBM = "24GiB"
+#: More workers than this only multiply the host memory each one needs for its copy of the model.
+MAX_JOBS = 64
+_LOG_TAIL = 60
+
+DESCRIPTION = """\
+Run CMD in a warm-up mode that compiles every graph the plugin's bucket
+policies make reachable for what CMD does, without generating or training for
+real, so the real run finds them all in the NEFF cache:
+
+  generate(): one prefill and one decode step per (prompt bucket, batch bucket,
+    cache bucket) the script's calls reach; the call returns a stand-in of the
+    real length (the prompt, then pad tokens);
+  Trainer: the Trainer's own steps (forward, backward, optimizer) on one batch
+    per length bucket the dataloaders reach, weights restored afterwards;
+    evaluate() / predict() likewise; nothing is written to the output folder.
+
+--jobs N runs N copies of CMD; each compiles every N-th shape (in the order the
+script meets them), so CMD must meet the same shapes in the same order every
+time (fixed prompts, a seeded dataset). Shapes already in the cache are loaded,
+not compiled: running precompile again compiles nothing new.
+
+Without Trainium, CMD runs on the simulated Neuron device and fills the
+simulated NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR); on a Trainium host it runs
+on the real device and torch-neuronx fills its own cache."""
+
+EPILOG = """\
+examples:
+  accelerate-neuron precompile -- python generate.py
+  accelerate-neuron precompile --jobs 4 -- python train.py --epochs 3
+  accelerate-neuron precompile --json -- python serve.py > precompile.json
+
+CMD's output is kept out of the way (shown if a worker fails). The exit code is
+0 when every worker succeeded, else the first failing worker's."""
+
+
+def default_jobs() -> int:
+    """One worker per CPU this process may use, at most 8 (each worker holds its own copy of the model)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+def job_count(text: str) -> int:
+    """argparse type: a number of worker processes, 1..MAX_JOBS."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number; expected a number of worker processes from 1 to {MAX_JOBS}, e.g. 2"
+        ) from None
+    if not 1 <= value <= MAX_JOBS:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not allowed; expected a number of worker processes from 1 to {MAX_JOBS}"
+        )
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "precompile",
+        help="fill the NEFF cache ahead of a job: compile every shape its generate()/Trainer calls reach",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--jobs",
+        "-j",
+        type=job_count,
+        default=None,
+        metavar="N",
+        help=f"worker processes compiling in parallel (default: the CPUs available, at most 8; here {default_jobs()})",
+    )
+    p.add_argument(
+        "--cores",
+        type=core_count,
+        default=DEFAULT_CORES,
+        metavar="N",
+        help=f"simulated NeuronCores per worker when there is no Trainium (default {DEFAULT_CORES})",
+    )
+    p.add_argument(
+        "--hbm",
+        type=memory_size,
+        default=DEFAULT_HBM,
+        metavar="SIZE",
+        help=f"simulated memory per core (default {DEFAULT_HBM})",
+    )
+    p.add_argument(
+        "--compile-seconds",
+        type=non_negative_seconds,
+        default=costs.SECONDS_PER_GRAPH,
+        metavar="S",
+        help=f"assumed neuronx-cc time per graph, for the ETA and the summary (default {costs.SECONDS_PER_GRAPH:g})",
+    )
+    p.add_argument(
+        "--eager-seconds",
+        type=non_negative_seconds,
+        default=costs.SECONDS_PER_EAGER_SIGNATURE,
+        metavar="S",
+        help=f"assumed compile time per eager op signature (default {costs.SECONDS_PER_EAGER_SIGNATURE:g})",
+    )
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON line (stdout)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to warm up")
+    p.set_defaults(run=run, parser=p)
+
+
+# ------------------------------------------------------------------ progress
+
+
+@dataclass
+class Progress:
+    """What the workers reported so far (their JSON-lines file), and the bar drawn from it."""
+
+    path: Path
+    jobs: int
+    seconds_per_graph: float
+    offset: int = 0
+    found: dict[int, dict[str, Any]] = field(default_factory=dict)
+    by_shard: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    done: dict[tuple[str, int], float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    bar: Any = None
+    stream: TextIO = sys.stderr
+    last_line: str = ""
+
+    def read(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return
+        complete, _, _ = chunk.rpartition("\n")  # a line is only read once it is whole
+        if not complete:
+            return
+        self.offset += len(complete.encode()) + 1
+        for line in complete.splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            self._take(event)
+
+    def _take(self, event: dict[str, Any]) -> None:
+        index, kind = event.get("index"), event.get("kind", "")
+        if event.get("event") == "found" and isinstance(index, int):
+            self.found.setdefault(index, event)
+            self.by_shard.setdefault(event["shard"], []).append((index, json.dumps([kind, event.get("shape")])))
+        elif event.get("event") == "done" and isinstance(index, int):
+            self.done[(kind, index)] = float(event.get("seconds", 0.0))
+
+    def pending_graphs(self) -> int:
+        finished = {i for _, i in self.done}
+        return sum(int(e.get("graphs", 1)) for i, e in self.found.items() if i not in finished)
+
+    def eta(self) -> str:
+        """Compile time left on Trainium by the cost model (cold: every pending graph compiled), over the workers."""
+        return duration(self.pending_graphs() * self.seconds_per_graph / self.jobs)
+
+    def show(self) -> None:
+        total, finished = len(self.found), len(self.done)
+        text = (
+            f"{finished}/{total} shapes warmed; Trainium compile left ~{self.eta()} (cost model, {self.jobs} worker(s))"
+        )
+        if self.bar is not None:
+            self.bar.total = max(total, 1)
+            self.bar.n = finished
+            self.bar.set_postfix_str(f"ETA on Trainium ~{self.eta()}", refresh=False)
+            self.bar.refresh()
+        elif text != self.last_line and finished:
+            print(f"accelerate-neuron: {text}", file=self.stream, flush=True)
+        self.last_line = text
+
+    def disagreement(self) -> str | None:
+        """Workers that met different shapes (a script that is not deterministic): the split then misses shapes."""
+        orders = {shard: sorted(items) for shard, items in self.by_shard.items()}
+        if len({json.dumps(v) for v in orders.values()}) <= 1:
+            return None
+        sizes = ", ".join(f"worker {s}: {len(v)}" for s, v in sorted(orders.items()))
+        return (
+            f"the workers met different shapes ({sizes}): CMD does not meet the same shapes in the same order every "
+            "run (random prompts or an unseeded shuffle?), so some shapes may not be compiled. Seed it, or use "
+            "--jobs 1."
+        )
+
+
+def _bar(stream: TextIO) -> Any:
+    if not stream.isatty():
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=1, desc="precompile", unit="shape", file=stream, dynamic_ncols=True)
+
+
+# ------------------------------------------------------------------ workers
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        args.parser.error(
+            "missing the command to warm up after '--', e.g. accelerate-neuron precompile -- python train.py"
+        )
+    if command[0].endswith(".py"):
+        command = [sys.executable, *command]
+    return command
+
+
+def _worker_env(args: argparse.Namespace, shard: int, jobs: int, folder: Path, simulated: bool) -> dict[str, str]:
+    from ..builtin.warmup.session import PRECOMPILE_ENV, PROGRESS_ENV, SCRATCH_ENV
+
+    env = dict(os.environ)
+    env[PRECOMPILE_ENV] = f"{shard}/{jobs}"
+    env[PROGRESS_ENV] = str(folder / "progress.jsonl")
+    env[SCRATCH_ENV] = str(folder / "scratch")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if simulated:
+        from ..activation import SIM_HBM_ENV, SIMULATE_ENV
+        from ..simulator.report import REPORT_DIR_ENV
+
+        env[SIMULATE_ENV] = str(args.cores)
+        env[SIM_HBM_ENV] = args.hbm
+        env[REPORT_DIR_ENV] = str(folder / "records")
+    return env
+
+
+@dataclass
+class Worker:
+    shard: int
+    proc: subprocess.Popen
+    log: Path
+    code: int | None = None
+
+
+def _start(command: list[str], env: dict[str, str], shard: int, folder: Path) -> Worker:
+    log = folder / f"worker-{shard}.log"
+    with open(log, "wb") as out:
+        try:
+            proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise CliError(f"command not found: {command[0]!r} (precompile runs: {' '.join(command)})", 127) from None
+        except PermissionError:
+            raise CliError(f"cannot execute {command[0]!r}: permission denied", 126) from None
+    return Worker(shard, proc, log)
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _wait(workers: Sequence[Worker], progress: Progress) -> None:
+    try:
+        while any(w.code is None for w in workers):
+            for w in workers:
+                if w.code is None and w.proc.poll() is not None:
+                    w.code = w.proc.returncode
+            progress.read()
+            progress.show()
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        for w in workers:  # the workers got the terminal's SIGINT too; give them a moment to end
+            w.code = w.proc.wait()
+        raise
+    progress.read()
+    progress.show()
+
+
+# ------------------------------------------------------------------ summary
+
+
+def _simulated_counts(records_dir: Path) -> dict[str, Any] | None:
+    from ._dryrun import load_records
+
+    records = load_records(records_dir)
+    if not records:
+        return None
+    keys: dict[str, str] = {}
+    out = {"graphs_compiled": 0, "graphs_cached": 0, "eager_compiled": 0, "eager_cached": 0}
+    for record in records:
+        st = record.get("stats", {})
+        out["graphs_compiled"] += int(st.get("compiles", 0))
+        out["graphs_cached"] += int(st.get("compile_cache_hits", 0))
+        out["eager_compiled"] += int(st.get("eager_compiles", 0))
+        out["eager_cached"] += int(st.get("eager_cache_hits", 0))
+        for graph in st.get("graphs", []):
+            key = graph.get("cache_key")
+            if key:
+                keys[key] = "compiled" if graph.get("cache") == "miss" or keys.get(key) == "compiled" else "cached"
+    out["graph_keys"] = sorted(keys)
+    out["distinct_graphs"] = len(keys)
+    out["compile_cache"] = next((r["stats"].get("compile_cache") for r in records if "stats" in r), None)
+    return out
+
+
+def summarize(
+    progress: Progress, workers: Sequence[Worker], counts: dict[str, Any] | None, wall: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    kinds: dict[str, int] = {}
+    for event in progress.found.values():
+        kinds[event.get("kind", "?")] = kinds.get(event.get("kind", "?"), 0) + 1
+    summary: dict[str, Any] = {
+        "jobs": len(workers),
+        "shapes": len(progress.found),
+        "shapes_by_kind": kinds,
+        "warmed": len(progress.done),
+        "failed_workers": [w.shard for w in workers if w.code],
+        "exit_codes": [w.code for w in workers],
+        "wall_seconds": round(wall, 3),
+        "warnings": [m for m in [progress.disagreement()] if m],
+        "simulated": counts is not None,
+    }
+    if counts is not None:
+        paid = costs.estimate(
+            counts["graphs_compiled"], counts["eager_compiled"], args.compile_seconds, args.eager_seconds
+        )
+        summary.update(counts)
+        summary["estimate"] = paid
+    return summary
+
+
+def render(summary: dict[str, Any]) -> str:
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(summary["shapes_by_kind"].items())) or "none"
+    lines = [
+        f"precompile: {plural(summary['shapes'], 'shape')} found ({kinds}), {summary['warmed']} warmed by "
+        f"{plural(summary['jobs'], 'worker')} in {summary['wall_seconds']:.1f} s",
+    ]
+    if summary["simulated"]:
+        est = summary["estimate"]
+        lines += [
+            f"  graphs: {summary['graphs_compiled']} compiled now, {summary['graphs_cached']} already cached "
+            f"({summary['distinct_graphs']} distinct)",
+            f"  eager signatures: {summary['eager_compiled']} compiled now, {summary['eager_cached']} already cached",
+            f"  estimated Trainium compile time paid now: ~{duration(est['seconds'])}, which the real run saves "
+            f"({costs.describe(est)})",
+        ]
+        cache = summary.get("compile_cache") or {}
+        if cache.get("dir"):
+            lines.append(f"  simulated NEFF cache: {cache['dir']} (TORCH_NEURONX_NEFF_CACHE_DIR moves it)")
+    else:
+        lines.append("  compiled by torch-neuronx into its own NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR)")
+    for failed in summary["failed_workers"]:
+        lines.append(f"  worker {failed} FAILED (exit code {summary['exit_codes'][failed]})")
+    lines += [f"  warning: {w}" for w in summary["warnings"]]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import device
+
+    command = _command(args)
+    jobs = args.jobs or default_jobs()
+    simulated = device.kind() != "real"
+    with tempfile.TemporaryDirectory(prefix="accelerate-neuron-precompile-") as tmp:
+        folder = Path(tmp)
+        (folder / "scratch").mkdir()
+        progress = Progress(folder / "progress.jsonl", jobs, args.compile_seconds)
+        progress.bar = None if args.json else _bar(sys.stderr)
+        started = time.perf_counter()
+        workers: list[Worker] = []
+        try:
+            for shard in range(jobs):
+                workers.append(_start(command, _worker_env(args, shard, jobs, folder, simulated), shard, folder))
+            _wait(workers, progress)
+        finally:
+            for w in workers:
+                if w.code is None:
+                    w.proc.kill()
+                    w.code = w.proc.wait()
+            if progress.bar is not None:
+                progress.bar.close()
+        wall = time.perf_counter() - started
+        counts = _simulated_counts(folder / "records") if simulated else None
+        summary = summarize(progress, workers, counts, wall, args)
+        failures = [(w, _tail(w.log)) for w in workers if w.code]
+    for w, tail in failures:
+        print(
+            f"accelerate-neuron: precompile worker {w.shard} ({' '.join(command)}) exited with {w.code}:",
+            file=sys.stderr,
+        )
+        print(tail, file=sys.stderr)
+    if args.json:
+        print_json(summary)
+    else:
+        print(render(summary))
+    if failures:
+        code = failures[0][0].code or 1
+        return 128 + (-code) if code < 0 else code
+    return 0
