@@ -34,6 +34,7 @@ PLACEMENT_PATCHES = {
     "placement.accelerate_added_attributes",
     "placement.caching_allocator_warmup",
     "placement.pipeline_device",
+    "placement.kernelize_device_map",
 }
 
 

@@ -154,7 +154,8 @@ def neuron_patches() -> list[Patch]:
             reason="hand hub-kernel kernelize a Neuron device, not the core index kept in device_map "
             "(upstream calls .type on it: AttributeError on every load placed off core 0)",
             lacking="Transformers releases whose kernelize reads device_map (5.25)",
-            params=("model", "device_map"),
+            needed=dispatch.kernelize_reads_device_map,
+            gone="upstream has no hub-kernels kernelize in this release (4.57): nothing to correct",
             aliases=(
                 "transformers.modeling_utils.kernelize",
                 "transformers.integrations.kernelize",

@@ -210,6 +210,13 @@ def wrap_caching_allocator_warmup(original: Callable[..., Any]) -> Callable[...,
 # --- hub kernels ---------------------------------------------------------------------------------
 
 
+def kernelize_reads_device_map(original: Callable[..., Any]) -> str | None:
+    """``needed`` probe: None if upstream's ``kernelize`` takes the ``device_map`` it reads the device from."""
+    if "device_map" not in inspect.signature(original).parameters:
+        return "upstream kernelize takes no device_map (it asks the model for its device): nothing to correct"
+    return None
+
+
 def wrap_kernelize(original: Callable[..., Any]) -> Callable[..., Any]:
     """``kernelize`` with the core indices of ``device_map`` spelled as Neuron devices.
 
