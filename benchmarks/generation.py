@@ -267,7 +267,8 @@ def _agreement(runs: dict, reference: list[dict], passes: list, vocab: int) -> s
     cpu = _workload_model(vocab)
     rows = differing = 0
     gaps: list[float] = []
-    for job_runs in runs.values():
+    where: list[str] = []
+    for name, job_runs in runs.items():
         for run, ref, batches in zip(job_runs, reference, passes, strict=True):
             for out, expected, batch in zip(run["outputs"], ref["outputs"], batches, strict=True):
                 width = max(map(len, batch))
@@ -280,11 +281,15 @@ def _agreement(runs: dict, reference: list[dict], passes: list, vocab: int) -> s
                     first = int((got != want).nonzero()[0])
                     if first < width or got.shape != want.shape:  # the prompt or the shape differs: no tie
                         gaps.append(float("inf"))
+                        where.append(f"{name}: {len(prompt)}-token prompt, prompt columns or shape differ")
                         continue
                     prefix = want[width - len(prompt) : first].unsqueeze(0)
                     with torch.no_grad():
                         logits = cpu(input_ids=prefix).logits[0, -1]
                     gaps.append(float((logits[want[first]] - logits[got[first]]).abs()))
+                    best = int(logits.argmax())
+                    side = "stock" if best == int(want[first]) else name if best == int(got[first]) else "neither"
+                    where.append(f"{name}: {len(prompt)}-token prompt, new token {first - width}, CPU picks {side}'s")
     if not differing:
         return f"Every setting's tokens identical to stock's ({rows} sequences)."
     return (
@@ -293,7 +298,7 @@ def _agreement(runs: dict, reference: list[dict], passes: list, vocab: int) -> s
         f"by at most {max(gaps):.1e}; float32 rounding of differently shaped reductions)."
         if max(gaps) < 1e-3
         else f"Tokens differ from stock's in {differing} of {rows} sequences, with logit gaps up to "
-        f"{max(gaps):.2g} at the first difference: NOT a rounding tie, investigate."
+        f"{max(gaps):.2g} at the first difference: NOT a rounding tie, investigate ({'; '.join(where)})."
     )
 
 
