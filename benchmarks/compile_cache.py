@@ -14,7 +14,7 @@ same, initially empty, ``TORCH_NEURONX_NEFF_CACHE_DIR``:
   log-normal (median 64, clipped to 8..512).
 
 Per run: graphs compiled / loaded from the cache, eager signatures compiled / loaded, and the
-estimated Trainium compile time from the cost model (``cli/_costs.py``: 60 s per graph, 2 s
+estimated Trainium compile time from the cost model (``accelerate_neuron.costs``: 60 s per graph, 2 s
 per eager signature, 0 s per NEFF loaded; assumptions, not measurements). The child's wall
 time is CPU time of the simulator, shown for context only.
 
@@ -99,26 +99,28 @@ def _train_counts(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def cold_and_warm(argv: list[str], convert: Any = None) -> list[dict[str, Any]]:
-    """The job twice on one fresh cache: (cold, warm), with the cache's size after each."""
-    from accelerate_neuron.cli import _costs
+def job_row(run: str, argv: list[str], cache: Path, convert: Any = None) -> dict[str, Any]:
+    """The job once as a child on ``cache``: its counts, the cost model's estimate, the cache's size after it."""
+    from accelerate_neuron import costs
     from accelerate_neuron.simulator import neff_cache
 
-    rows = []
+    result, seconds = run_child(argv, cache)
+    counts = convert(result) if convert else result
+    est = costs.estimate(
+        counts["graphs_compiled"],
+        counts["eager_compiled"],
+        cached_graphs=counts["graphs_loaded"],
+        cached_signatures=counts["eager_loaded"],
+    )
+    entries, size = neff_cache.disk_usage(cache)
+    return {"run": run, **counts, "estimate": est, "wall": seconds, "entries": entries, "bytes": size}
+
+
+def cold_and_warm(argv: list[str], convert: Any = None) -> list[dict[str, Any]]:
+    """The job twice on one fresh cache: (cold, warm), with the cache's size after each."""
     with tempfile.TemporaryDirectory(prefix="neff-bench-") as tmp:
         cache = Path(tmp) / "neff"
-        for run in ("cold", "warm"):
-            result, seconds = run_child(argv, cache)
-            counts = convert(result) if convert else result
-            est = _costs.estimate(
-                counts["graphs_compiled"],
-                counts["eager_compiled"],
-                cached_graphs=counts["graphs_loaded"],
-                cached_signatures=counts["eager_loaded"],
-            )
-            entries, size = neff_cache.disk_usage(cache)
-            rows.append({"run": run, **counts, "estimate": est, "wall": seconds, "entries": entries, "bytes": size})
-    return rows
+        return [job_row(run, argv, cache, convert) for run in ("cold", "warm")]
 
 
 def precompiled(argv: list[str], convert: Any = None) -> tuple[dict[str, Any], dict[str, float]]:
@@ -127,7 +129,6 @@ def precompiled(argv: list[str], convert: Any = None) -> tuple[dict[str, Any], d
     Returns the real run's row (with what precompile paid) and precompile's wall time per worker count.
     """
     from accelerate_neuron import costs
-    from accelerate_neuron.simulator import neff_cache
 
     walls: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="neff-bench-pre-") as tmp:
@@ -135,18 +136,9 @@ def precompiled(argv: list[str], convert: Any = None) -> tuple[dict[str, Any], d
             cache = Path(tmp) / f"neff-{jobs}"
             cmd = ["-m", "accelerate_neuron", "precompile", "--jobs", jobs, "--json", "--", sys.executable, *argv]
             summary, walls[jobs] = run_child(cmd, cache)
-        result, seconds = run_child(argv, cache)
-        counts = convert(result) if convert else result
-        est = costs.estimate(
-            counts["graphs_compiled"],
-            counts["eager_compiled"],
-            cached_graphs=counts["graphs_loaded"],
-            cached_signatures=counts["eager_loaded"],
-        )
-        entries, size = neff_cache.disk_usage(cache)
-        paid = costs.estimate(summary["graphs_compiled"], summary["eager_compiled"])
-        row = {"run": "after precompile --jobs 2", **counts, "estimate": est, "wall": seconds}
-        row.update(entries=entries, bytes=size, precompile=summary, precompile_estimate=paid)
+        row = job_row("after precompile --jobs 2", argv, cache, convert)
+    row["precompile"] = summary
+    row["precompile_estimate"] = costs.estimate(summary["graphs_compiled"], summary["eager_compiled"])
     return row, walls
 
 
