@@ -149,7 +149,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         batch_shapes=len(shapes),
         recompile_limit_hits=hits.count,
         eager_signatures=stats["eager_signatures"],
-        padding_overhead=padded / real - 1,
+        padding_overhead=padded / real - 1 if real else None,  # a precompile worker may see no batch
         epoch_seconds=epoch,
         steady_step_seconds=statistics.median(steady) if steady else None,
         compile_step_seconds=statistics.median(compiling) if compiling else None,
