@@ -172,6 +172,24 @@ def test_returned_cache_continues_like_upstream(sim, model, reference, tok):
     assert torch.equal(out.cpu(), expected)
 
 
+def test_left_padded_batch_already_at_its_buckets_keeps_upstreams_positions(sim, model, reference, tok):
+    # Longest prompt exactly at a prompt bucket, batch exactly at a batch bucket: the plugin pads nothing, yet the
+    # prefill still runs through upstream's chunked path, and 4.x's chunked prefill numbers positions 0..n-1
+    # whatever the caller's left padding (found on 4.57.6 by the workload benchmark: a 57-token row next to a
+    # 1,024-token one generated other tokens). Upstream's unchunked call, the CPU reference, counts from the mask.
+    policy = shapes.resolve_policy(model.config.max_position_embeddings)
+    width, rows = policy.prompt_buckets[0], 2
+    assert rows in policy.batch_buckets
+    ids = torch.randint(3, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, : width - 5] = 0  # row 0: a 5-token prompt, left padded
+    ids[0, : width - 5] = tok.pad_token_id or 0
+    kwargs = {"do_sample": False, "max_new_tokens": 8}
+    expected = reference.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), **kwargs)
+    assert torch.equal(out.cpu(), expected)
+
+
 def test_right_padded_inputs_give_upstreams_result(sim, model, reference, tok):
     tok_right = tiny.tokenizer()
     tok_right.padding_side = "right"

@@ -204,7 +204,7 @@ def forward_inputs_on(model: Any, dev: torch.device) -> Iterator[None]:
             @functools.wraps(inner)
             def mover(*args: Any, **kwargs: Any) -> Any:
                 plan = padding.current()
-                if plan is not None and plan.active:
+                if plan is not None and (plan.active or plan.chunked):
                     args, kwargs = padding.pad_forward_inputs(plan, args, kwargs)
                 return move(inner(*args, **kwargs), dev)
 

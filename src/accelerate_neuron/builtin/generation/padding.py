@@ -17,6 +17,9 @@ forward passes see padded shapes:
 - The prefill runs as one chunk through upstream's own compiled-prefill path
   (``prefill_chunk_size``), so it is compiled like the decode step: one graph
   per (prompt bucket, batch bucket), one per (cache bucket, batch bucket).
+  Transformers 4.x's chunked path numbers positions ``0..n-1`` whatever the
+  caller's left padding; its arange is dropped on every chunked call, padded
+  by us or not, so positions come from the mask as in the unchunked call.
 
 A :class:`CallPlan` lives in a context variable for the duration of one
 ``generate()`` call, so concurrent calls (threads) and nested ones each have
@@ -93,6 +96,15 @@ def _add_rows(value: torch.Tensor, batch: int, dummy: int) -> torch.Tensor:
     return torch.cat([value, value[:1].expand(dummy, *value.shape[1:])], dim=0)
 
 
+def _chunk_arange_positions(position_ids: Any, cache_position: Any) -> bool:
+    """Whether ``position_ids`` is the ``[1, n]`` copy of ``cache_position`` that 4.x's chunked prefill writes."""
+    if not isinstance(position_ids, torch.Tensor) or not isinstance(cache_position, torch.Tensor):
+        return False
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] != cache_position.numel():
+        return False
+    return torch.equal(position_ids[0].cpu(), cache_position.reshape(-1).cpu())
+
+
 def pad_forward_inputs(plan: CallPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
     """The arguments of ``prepare_inputs_for_generation`` in the padded layout."""
     first = plan.calls == 0
@@ -105,15 +117,17 @@ def pad_forward_inputs(plan: CallPlan, args: tuple[Any, ...], kwargs: dict[str, 
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return tuple(args), kwargs
     cache_position = kwargs.get("cache_position")
+    if first and plan.chunked and _chunk_arange_positions(kwargs.get("position_ids"), cache_position):
+        # Transformers 4.x's chunked prefill passes arange positions that ignore the caller's left padding
+        # (its own bug: a padded row's prompt then sits at other positions than its decode steps). The
+        # unchunked path, which the caller asked for, derives them from the mask, as the inner call does
+        # when they are absent. This holds with or without a pad of ours: a prompt already at a bucket too.
+        kwargs.pop("position_ids")
     if plan.pad:
         if kwargs.get("attention_mask") is None:
             # Upstream drops an all-ones mask; the padded layout needs one (0 on the pad).
             seen = int(cache_position[-1]) + 1 if isinstance(cache_position, torch.Tensor) else ids.shape[1]
             kwargs["attention_mask"] = torch.ones((ids.shape[0], seen), dtype=torch.long, device=ids.device)
-        if first and isinstance(cache_position, torch.Tensor):
-            # Transformers 4.x chunked prefill passes arange positions that ignore padding; the unchunked
-            # path (the CPU reference) computes them from the mask, as the inner call will when they are absent.
-            kwargs.pop("position_ids", None)
         for name in _SEQUENCE_INPUTS:
             value = kwargs.get(name)
             if isinstance(value, torch.Tensor) and value.dim() >= 2:
