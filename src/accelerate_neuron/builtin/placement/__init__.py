@@ -50,8 +50,10 @@ LOAD_ALIASES = (
 )
 
 
-def _device_map_wrapper(what: str, auto_policy: bool = False) -> Callable[[Any], Any]:
-    return lambda original: dispatch.wrap_device_map_argument(original, what=what, auto_policy=auto_policy)
+def _device_map_wrapper(what: str, auto_policy: bool = False, returns_map: bool = False) -> Callable[[Any], Any]:
+    return lambda original: dispatch.wrap_device_map_argument(
+        original, what=what, auto_policy=auto_policy, returns_map=returns_map
+    )
 
 
 @hookimpl
@@ -61,7 +63,8 @@ def neuron_patches() -> list[Patch]:
             "accelerate.utils.modeling",
             "get_max_memory",
             memory.wrap_get_max_memory,
-            reason="enumerate Neuron cores (per-core budget from neuron_memory_budget) and validate max_memory keys",
+            reason="enumerate Neuron cores (per-core budget from neuron_memory_budget) and validate max_memory keys "
+            "(an invisible core is planned for with a warning, as upstream does; placing there is refused)",
             lacking="every Accelerate release: no Neuron branch, device_map='auto' plans for the CPU only",
             params=("max_memory",),
             aliases=PLAN_ALIASES,
@@ -82,10 +85,10 @@ def neuron_patches() -> list[Patch]:
             # from_pretrained looks it up here in every release (5.x imports it from integrations.accelerate)
             "transformers.modeling_utils",
             "_get_device_map",
-            _device_map_wrapper("device_map", auto_policy=True),
-            reason="refuse invisible Neuron cores in device_map; keep core indices (ints) on the loading path, "
-            "safetensors accepts no string spelling of a Neuron device; 'auto' uses the fewest cores that "
-            "hold the model",
+            _device_map_wrapper("device_map", auto_policy=True, returns_map=True),
+            reason="refuse invisible Neuron cores in device_map (given or planned); keep core indices (ints) "
+            "on the loading path, safetensors accepts no string spelling of a Neuron device; 'auto' uses the "
+            "fewest cores that hold the model",
             lacking="every Transformers release",
             params=("model", "device_map", "max_memory"),
             name="placement.get_device_map",

@@ -62,12 +62,15 @@ def _bind(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.Bo
 
 
 def wrap_device_map_argument(
-    original: Callable[..., Any], *, what: str, auto_policy: bool = False
+    original: Callable[..., Any], *, what: str, auto_policy: bool = False, returns_map: bool = False
 ) -> Callable[..., Any]:
     """``original`` with its ``device_map`` argument validated and its Neuron values made ints.
 
     ``auto_policy``: ``device_map="auto"`` without ``max_memory`` uses the
-    fewest cores that hold the model (see :mod:`.auto`).
+    fewest cores that hold the model (see :mod:`.auto`). ``returns_map``:
+    ``original`` returns the device map the load will carry out (Transformers'
+    ``_get_device_map``), validated too: planning accepts cores this process
+    cannot see, as upstream does; loading onto one is refused here.
     """
     signature = inspect.signature(original)
 
@@ -87,7 +90,10 @@ def wrap_device_map_argument(
                     changed = True
             if changed:
                 args, kwargs = bound.args, bound.kwargs
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if returns_map and isinstance(result, dict):
+            result = normalise_device_map(result, what=f"{what} (planned from max_memory)")
+        return result
 
     return wrapper
 
