@@ -55,3 +55,18 @@ def test_ddp_comm_hook_join_and_no_sync_match_gloo_on_cpu(tmp_path: Path) -> Non
         assert neuron[0][case] == neuron[1][case], case  # DDP keeps the replicas identical
         for got, want in zip(neuron[0][case], cpu[0][case], strict=True):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6), case
+
+
+def test_storage_resized_to_zero_stays_on_its_core() -> None:
+    """FSDP v1 frees the unsharded flat param with ``storage().resize_(0)``, then ``set_``s a shard into it."""
+    import torch
+
+    flat = torch.ones(8, device="neuron:1")
+    flat.untyped_storage().resize_(0)
+    assert flat.untyped_storage().device == torch.device("neuron", 1)
+    assert flat.untyped_storage().nbytes() == 0
+    shard = torch.arange(4.0, device="neuron:1")
+    flat.set_(shard)
+    assert flat.device == torch.device("neuron", 1) and flat.tolist() == [0.0, 1.0, 2.0, 3.0]
+    flat.untyped_storage().resize_(16)
+    assert flat.untyped_storage().device == torch.device("neuron", 1)
