@@ -57,6 +57,22 @@ def test_ddp_comm_hook_join_and_no_sync_match_gloo_on_cpu(tmp_path: Path) -> Non
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6), case
 
 
+@pytest.mark.slow
+def test_fsdp_v1_and_v2_match_gloo_on_cpu(tmp_path: Path) -> None:
+    # FSDP v1 frees its unsharded flat parameter with storage().resize_(0) and set_()s a shard into it (the
+    # simulator once moved that storage to the CPU); FSDP v2 shards DTensors over a device mesh.
+    _torchrun("fsdp_checks.py", str(tmp_path / "neuron"), "neuron")
+    _torchrun("fsdp_checks.py", str(tmp_path / "cpu"), "cpu")
+    neuron, cpu = _ranks(tmp_path / "neuron"), _ranks(tmp_path / "cpu")
+    for case in ("fsdp1", "fsdp2"):
+        for rank in (0, 1):
+            assert isinstance(cpu[rank][case], list), cpu[rank][case]  # the reference itself must run
+            assert isinstance(neuron[rank][case], list), neuron[rank][case]  # the error, if any
+        assert neuron[0][case] == neuron[1][case], case  # every rank gathers the same full weights
+        for got, want in zip(neuron[0][case], cpu[0][case], strict=True):
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), case
+
+
 def test_storage_resized_to_zero_stays_on_its_core() -> None:
     """FSDP v1 frees the unsharded flat param with ``storage().resize_(0)``, then ``set_``s a shard into it."""
     import torch
