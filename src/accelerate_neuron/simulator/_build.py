@@ -42,6 +42,19 @@ _POLICY_MACROS = {
 }
 
 
+def asan_enabled() -> bool:
+    """``ACCELERATE_NEURON_SIM_ASAN=1``: build and load an AddressSanitizer flavour of the simulator.
+
+    Python must then run with ``LD_PRELOAD=$(gcc -print-file-name=libasan.so)`` and
+    ``ASAN_OPTIONS=detect_leaks=0`` (CPython and torch hold memory until exit by design).
+    """
+    return os.environ.get("ACCELERATE_NEURON_SIM_ASAN", "") not in ("", "0")
+
+
+def _sanitizer_flags() -> list[str]:
+    return ["-fsanitize=address", "-fno-omit-frame-pointer"] if asan_enabled() else []
+
+
 class SimulatorBuildError(RuntimeError):
     """The native part of the simulated device could not be compiled."""
 
@@ -93,6 +106,7 @@ def _build_key(torch_mod, compiler: str) -> str:
     digest.update(str(torch_mod._C._GLIBCXX_USE_CXX11_ABI).encode())
     digest.update(compiler.encode())
     digest.update(sys.version.encode())
+    digest.update(" ".join(_sanitizer_flags()).encode())
     return digest.hexdigest()[:16]
 
 
@@ -112,6 +126,7 @@ def _compile(torch_mod, compiler: str, out: Path) -> None:
             "-std=c++17",
             "-fPIC",
             "-w",
+            *_sanitizer_flags(),
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch_mod._C._GLIBCXX_USE_CXX11_ABI)}",
             f"-I{work}",
             *include_flags,
@@ -131,7 +146,7 @@ def _compile(torch_mod, compiler: str, out: Path) -> None:
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:
             objects = list(pool.map(compile_one, _SOURCES))
-        link = [compiler, "-shared", *map(str, objects), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
+        link = [compiler, "-shared", *_sanitizer_flags(), *map(str, objects), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
         if sys.platform == "darwin":
             link += ["-undefined", "dynamic_lookup"]
         link += [f"-Wl,-rpath,{torch_lib}", "-o", str(work / _LIB_NAME)]
@@ -150,7 +165,8 @@ def library_path(torch_mod) -> Path:
     """Path of the compiled library for this torch, building it when missing."""
     compiler = _compiler()
     key = _build_key(torch_mod, compiler)
-    target = cache_dir() / f"sim-{torch_mod.__version__}-{key}" / _LIB_NAME
+    flavour = "-asan" if asan_enabled() else ""
+    target = cache_dir() / f"sim-{torch_mod.__version__}{flavour}-{key}" / _LIB_NAME
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

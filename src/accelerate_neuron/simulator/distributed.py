@@ -50,6 +50,16 @@ def _host(obj: Any) -> Any:
     return obj
 
 
+def _chunks(whole: torch.Tensor, part: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """``whole`` (flat or stacked, ``world_size`` x ``part``) as per-rank views shaped like ``part``."""
+    if whole.numel() != part.numel() * world_size:
+        raise ValueError(
+            f"collective output/input of {whole.numel()} elements must hold world_size={world_size} "
+            f"chunks of the {tuple(part.shape)} tensor ({part.numel() * world_size} elements)"
+        )
+    return list(whole.reshape(world_size, *part.shape).unbind(0))
+
+
 class NeuronProcessGroup(torch.distributed.ProcessGroup):
     """ProcessGroup for ``backend="neuron"`` on the simulated device."""
 
@@ -86,7 +96,9 @@ class NeuronProcessGroup(torch.distributed.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts if opts is not None else torch.distributed.AllgatherOptions()
-        return self._call("_allgather_base", output, input, opts)
+        # As ProcessGroupNCCL: the output (flat or stacked) is world_size chunks shaped like the
+        # input; gloo's _allgather_base wants them shaped like that already, so use its list form.
+        return self._call("allgather", [_chunks(output, input, self.size())], [input], opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.ReduceScatterOptions()
@@ -94,7 +106,7 @@ class NeuronProcessGroup(torch.distributed.ProcessGroup):
 
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts if opts is not None else torch.distributed.ReduceScatterOptions()
-        return self._call("_reduce_scatter_base", output, input, opts)
+        return self._call("reduce_scatter", [output], [_chunks(input, output, self.size())], opts)
 
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.ReduceOptions()

@@ -28,13 +28,26 @@ namespace {
 
 constexpr c10::DispatchKeySet kDeviceKeys(c10::DispatchKey::PrivateUse1);
 
+// Keeps the device storage alive for as long as a CPU alias of it exists:
+// gloo work, autograd and DDP's reducer hold aliases past the op that made
+// them, and the device tensor may be gone by then.
+struct AliasContext {
+  c10::intrusive_ptr<c10::StorageImpl> device_storage;
+};
+
+void release_alias(void* ctx) {
+  delete static_cast<AliasContext*>(ctx);
+}
+
 // A CPU tensor over the same memory as `t` (device memory is host memory).
 at::Tensor cpu_alias(const at::Tensor& t) {
   const c10::Storage& st = t.storage();
+  void* data = const_cast<void*>(st.data());
+  auto* ctx = new AliasContext{c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(st.unsafeGetStorageImpl())};
   c10::Storage cpu_storage(
       c10::Storage::use_byte_size_t(),
       st.nbytes(),
-      c10::DataPtr(const_cast<void*>(st.data()), c10::Device(c10::DeviceType::CPU)),
+      c10::DataPtr(data, ctx, &release_alias, c10::Device(c10::DeviceType::CPU)),
       /*allocator=*/nullptr,
       /*resizable=*/false);
   auto impl = c10::make_intrusive<c10::TensorImpl>(

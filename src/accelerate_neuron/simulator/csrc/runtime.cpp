@@ -450,7 +450,15 @@ struct NeuronHooks final : public at::PrivateUse1HooksInterface {
     const int old_device = t_device;
     t_device = storage.device().index();
     try {
-      at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
+      if (newsize == 0) {
+        // resize_bytes_cpu would install a default (CPU) DataPtr: FSDP frees the unsharded
+        // flat param with storage().resize_(0) and later set_()s it, which must stay on its core.
+        TORCH_CHECK(storage.resizable(), "Trying to resize storage that is not resizable");
+        storage.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(nullptr, storage.device()));
+        storage.unsafeGetStorageImpl()->set_nbytes(0);
+      } else {
+        at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
+      }
     } catch (...) {
       t_device = old_device;
       throw;
