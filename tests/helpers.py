@@ -33,7 +33,7 @@ def clean_env(**overrides: str | None) -> dict[str, str]:
     wants a warm cache passes the same folder to two children.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_NEURON_", "NEURON_RT_"))}
-    for key in ("ACCELERATE_NEURON_CACHE_DIR",):
+    for key in ("ACCELERATE_NEURON_CACHE_DIR", "ACCELERATE_NEURON_SIM_ASAN"):  # ASan: the children's build too
         if key in os.environ:
             env[key] = os.environ[key]
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
