@@ -128,7 +128,7 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
             )
 
         from ..import_hooks import when_imported
-        from . import _build, compile_backend, device_module, distributed, eager_cache, torch_neuronx_shim
+        from . import _build, compile_backend, device_module, distributed, eager_cache, random_ops, torch_neuronx_shim
 
         lib = _build.load(torch)
         state = SimState(lib=lib, total_cores=cores, hbm_bytes=hbm_bytes)
@@ -139,6 +139,7 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
         )
+        random_ops.register()
         os.register_at_fork(after_in_child=lib.nsim_mark_bad_fork)
         eager_cache.settle_at_exit(_signatures)
         torch_neuronx_shim.install_finder()

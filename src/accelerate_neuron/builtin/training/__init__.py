@@ -12,6 +12,8 @@
   length buckets (``neuron_training_shape_policy``), wired into the Trainer by
   :mod:`.trainer`.
 - recompile watchdog (:mod:`.watchdog`).
+- exact resume (:mod:`.rng`): ``torch.neuron``'s RNG states saved and restored
+  by Trainer checkpoints and by Accelerate's ``save_state`` / ``load_state``.
 
 Hooks implemented: ``neuron_compile_config`` (purpose ``"train"``),
 ``neuron_training_shape_policy``. Nothing here imports transformers or
@@ -25,7 +27,7 @@ from typing import Any
 from ...hookspecs import hookimpl
 from ...patching import Patch
 from ..enum_backfill import dynamo_backend_neuron
-from . import args, compile_config, shapes, trainer
+from . import args, compile_config, rng, shapes, trainer
 
 _ARGS = "transformers.training_args"
 
@@ -105,6 +107,44 @@ def neuron_patches() -> list[Patch]:
             reason="a recompile after warm-up names the input whose shape changed and the fix",
             lacking="every release",
             params=("model", "args"),
+        ),
+        # --- exact resume: torch.neuron's RNG states in checkpoints
+        Patch(
+            "transformers.trainer",
+            "Trainer._save_rng_state",
+            rng.wrap_trainer_save_rng_state,
+            reason="checkpoints keep every Neuron core's RNG state (rng_state.pth key 'neuron'), so dropout "
+            "replays exactly after resume_from_checkpoint",
+            lacking="every release (CUDA/XLA/NPU/HPU/MLU/MUSA only)",
+            params=("self", "output_dir"),
+        ),
+        Patch(
+            "transformers.trainer",
+            "Trainer._load_rng_state",
+            rng.wrap_trainer_load_rng_state,
+            reason="resume_from_checkpoint restores the Neuron cores' RNG states saved with the checkpoint",
+            lacking="every release",
+            params=("self", "checkpoint"),
+        ),
+        Patch(
+            "accelerate.checkpointing",
+            "save_accelerator_state",
+            rng.wrap_save_accelerator_state,
+            reason="Accelerator.save_state keeps every Neuron core's RNG state (key torch_neuron_manual_seed)",
+            lacking="accelerate < 1.16 (a fixed device list without Neuron)",
+            params=("output_dir", "process_index"),
+            aliases=("accelerate.accelerator.save_accelerator_state",),
+            needed=rng.accelerate_needed,
+        ),
+        Patch(
+            "accelerate.checkpointing",
+            "load_accelerator_state",
+            rng.wrap_load_accelerator_state,
+            reason="Accelerator.load_state restores the Neuron cores' RNG states",
+            lacking="accelerate < 1.16",
+            params=("input_dir", "process_index"),
+            aliases=("accelerate.accelerator.load_accelerator_state",),
+            needed=rng.accelerate_needed,
         ),
     ]
 
