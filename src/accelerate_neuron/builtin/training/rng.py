@@ -153,7 +153,7 @@ def accelerate_needed(original: Any) -> str | None:
     """None when Accelerate's checkpointing lacks Neuron, else why the patch stands aside."""
     if "get_torch_accelerator_backend" in getattr(original, "__globals__", {}):
         return (
-            "Accelerate enumerates the accelerator through get_torch_accelerator_backend and saves "
+            "upstream Accelerate enumerates the accelerator through get_torch_accelerator_backend and saves "
             "torch.neuron.get_rng_state_all() itself"
         )
     return None

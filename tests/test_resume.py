@@ -1,0 +1,181 @@
+"""Exact resume on Neuron: a Trainer checkpoint and an Accelerator ``save_state`` bring back every RNG state.
+
+Trainer (4.57 and 5.x) and Accelerate < 1.16 save the CPU, CUDA, XLA, NPU, ... RNG states, never Neuron's;
+the plugin adds every core's ``torch.neuron`` state (``builtin/training/rng.py``). The model has dropout
+on the device, so a resume that does not restore the core's generator redraws the masks of the first
+steps: weights and losses then differ from the uninterrupted run (checked, with the patch taken out).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from accelerate_neuron import tiny
+
+STEPS, SAVE_AT = 4, 2
+
+
+@pytest.fixture(autouse=True)
+def _restore_env() -> Iterator[None]:
+    # Transformers 4.x writes ACCELERATE_DYNAMO_* / ACCELERATE_MIXED_PRECISION into os.environ.
+    saved = {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_DYNAMO_", "ACCELERATE_MIXED"))}
+    yield
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_DYNAMO_", "ACCELERATE_MIXED"))]:
+        del os.environ[key]
+    os.environ.update(saved)
+
+
+def _features() -> list[dict[str, list[int]]]:
+    gen = torch.Generator().manual_seed(0)
+    lengths = [9, 30, 17, 25, 12, 28, 21, 14, 31, 10, 19, 27, 8, 23, 16, 29]
+    return [{"input_ids": torch.randint(3, 300, (n,), generator=gen).tolist()} for n in lengths]
+
+
+def _dropout_model() -> Any:
+    return tiny.model("gpt2", resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.0)
+
+
+def _trainer(out: Path, stop_at: int | None = None) -> Any:
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == stop_at:
+                control.should_training_stop = True  # after this step's save: the job "dies" here
+
+    torch._dynamo.reset()
+    args = TrainingArguments(
+        output_dir=str(out),
+        report_to=[],
+        seed=0,
+        max_steps=STEPS,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+    )
+    return Trainer(
+        model=_dropout_model(),
+        args=args,
+        train_dataset=_features(),
+        data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
+        callbacks=[Interrupt()] if stop_at else [],
+    )
+
+
+def _result(trainer: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    weights = {k: v.detach().float().cpu().clone() for k, v in trainer.model.state_dict().items()}
+    return losses, weights
+
+
+def _interrupted_then_resumed(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    first = _trainer(out, stop_at=SAVE_AT)
+    first.train()
+    assert (out / f"checkpoint-{SAVE_AT}").is_dir()
+    torch.neuron.manual_seed(1234)  # whatever the dead process's generator held is gone
+    resumed = _trainer(out)
+    resumed.train(resume_from_checkpoint=True)
+    return _result(resumed)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_trainer_resume_replays_dropout_exactly(sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import Trainer
+
+    uninterrupted = _trainer(tmp_path / "whole")
+    uninterrupted.train()
+    want_losses, want_weights = _result(uninterrupted)
+    assert str(next(uninterrupted.model.parameters()).device).startswith("neuron")
+    assert len(want_losses) == STEPS
+
+    saved = torch.load(tmp_path / "whole" / f"checkpoint-{SAVE_AT}" / "rng_state.pth", weights_only=False)
+    assert len(saved["neuron"]) == torch.neuron.device_count()  # every visible core's generator
+
+    losses, weights = _interrupted_then_resumed(tmp_path / "resumed")
+    assert losses == want_losses
+    assert _same(weights, want_weights)
+
+    # The same resume without the plugin's restore redraws the first steps' dropout masks.
+    monkeypatch.setattr(Trainer, "_load_rng_state", Trainer._load_rng_state.__wrapped__)
+    losses, weights = _interrupted_then_resumed(tmp_path / "unpatched")
+    assert losses[:SAVE_AT] == want_losses[:SAVE_AT]
+    assert losses[SAVE_AT:] != want_losses[SAVE_AT:]
+    assert not _same(weights, want_weights)
+
+
+def _accelerate_steps(acc: Any, model: Any, opt: Any, batches: list[torch.Tensor]) -> list[float]:
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids.to(acc.device), labels=ids.to(acc.device)).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_accelerator_save_state_and_load_state_replay_dropout_exactly(sim: Any, tmp_path: Path) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(3, 300, (2, 16), generator=gen) for _ in range(4)]
+
+    def fresh() -> tuple[Any, Any, Any]:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator()
+        torch.manual_seed(0)
+        model = _dropout_model().train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = acc.prepare(model, opt)
+        return acc, model, opt
+
+    acc, model, opt = fresh()
+    assert acc.device.type == "neuron"
+    want = _accelerate_steps(acc, model, opt, batches)
+
+    acc, model, opt = fresh()
+    first = _accelerate_steps(acc, model, opt, batches[:2])
+    acc.save_state(str(tmp_path / "state"))
+    torch.neuron.manual_seed(1234)  # the interrupted process's generator is gone
+    acc, model, opt = fresh()
+    acc.load_state(str(tmp_path / "state"))
+    rest = _accelerate_steps(acc, model, opt, batches[2:])
+    assert first + rest == want
+
+
+def test_rng_patches_are_applied_or_stand_aside_for_upstream(unpatched: Any) -> None:
+    import accelerate.checkpointing
+    import transformers.trainer
+
+    from accelerate_neuron import patching
+    from accelerate_neuron.builtin.training import rng
+
+    records = {r.target: r for r in patching.records() if r.plugin == "training" and "rng" in r.target.lower()}
+    records.update(
+        {r.target: r for r in patching.records() if r.plugin == "training" and "accelerator_state" in r.target}
+    )
+    assert len(records) == 4, sorted(records)
+    save_state = accelerate.checkpointing.save_accelerator_state
+    lacks = rng.accelerate_needed(getattr(save_state, "__wrapped__", save_state)) is None
+    for target, rec in records.items():
+        if "accelerator_state" in target and not lacks:
+            assert rec.status == "skipped" and rec.detail.startswith("upstream"), (target, rec.detail)
+        else:
+            assert rec.status == "applied", (target, rec.status, rec.detail)
+    saved = transformers.trainer.Trainer._save_rng_state
+    with unpatched():
+        assert transformers.trainer.Trainer._save_rng_state is saved.__wrapped__
+    assert transformers.trainer.Trainer._save_rng_state.__wrapped__ is saved.__wrapped__  # re-applied after
