@@ -179,3 +179,34 @@ def test_rng_patches_are_applied_or_stand_aside_for_upstream(unpatched: Any) -> 
     with unpatched():
         assert transformers.trainer.Trainer._save_rng_state is saved.__wrapped__
     assert transformers.trainer.Trainer._save_rng_state.__wrapped__ is saved.__wrapped__  # re-applied after
+
+
+def test_resume_after_a_kill_inside_the_checkpoint_write_picks_the_last_complete_one(
+    sim: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import subprocess
+    import sys
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from helpers import REPO, clean_env
+
+    out = tmp_path / "out"
+    script = Path(__file__).parent / "scripts" / "train_killed_in_save.py"
+    env = clean_env(ACCELERATE_NEURON_SIMULATE="1", PYTHONPATH=str(Path(__file__).parent))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=str(REPO)
+    )
+    assert proc.returncode == -9, proc.stderr[-4000:]  # SIGKILL, inside checkpoint-4's write
+    assert (out / "checkpoint-4" / "model.safetensors").is_file()  # weights written, state torn
+    with caplog.at_level("WARNING", logger="accelerate_neuron"):
+        assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+    assert any("checkpoint-4 (trainer_state.json unreadable" in r.getMessage() for r in caplog.records)
+
+    resumed = _trainer(out)
+    resumed.train(resume_from_checkpoint=True)  # upstream's name bound in transformers.trainer is patched too
+    losses, weights = _result(resumed)
+    whole = _trainer(tmp_path / "whole")
+    whole.train()
+    want_losses, want_weights = _result(whole)
+    assert losses == want_losses and _same(weights, want_weights)

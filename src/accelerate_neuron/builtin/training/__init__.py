@@ -14,6 +14,8 @@
 - recompile watchdog (:mod:`.watchdog`).
 - exact resume (:mod:`.rng`): ``torch.neuron``'s RNG states saved and restored
   by Trainer checkpoints and by Accelerate's ``save_state`` / ``load_state``.
+- crash-safe resume (:mod:`.checkpoints`): ``get_last_checkpoint`` skips
+  checkpoint folders a killed job left half-written.
 
 Hooks implemented: ``neuron_compile_config`` (purpose ``"train"``),
 ``neuron_training_shape_policy``. Nothing here imports transformers or
@@ -27,7 +29,7 @@ from typing import Any
 from ...hookspecs import hookimpl
 from ...patching import Patch
 from ..enum_backfill import dynamo_backend_neuron
-from . import args, compile_config, rng, shapes, trainer
+from . import args, checkpoints, compile_config, rng, shapes, trainer
 
 _ARGS = "transformers.training_args"
 
@@ -107,6 +109,18 @@ def neuron_patches() -> list[Patch]:
             reason="a recompile after warm-up names the input whose shape changed and the fix",
             lacking="every release",
             params=("model", "args"),
+        ),
+        # --- crash-safe resume: never a half-written checkpoint
+        Patch(
+            "transformers.trainer_utils",
+            "get_last_checkpoint",
+            checkpoints.wrap_get_last_checkpoint,
+            reason="resume_from_checkpoint=True skips checkpoint folders a killed job left without "
+            "trainer_state.json (written last), with a warning naming them",
+            lacking="every release up to 5.25 (the highest checkpoint-N, finished or not)",
+            params=("folder",),
+            aliases=("transformers.trainer.get_last_checkpoint",),
+            needed=checkpoints.skips_partial,
         ),
         # --- exact resume: torch.neuron's RNG states in checkpoints
         Patch(
