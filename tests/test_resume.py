@@ -4,6 +4,8 @@ Trainer (4.57 and 5.x) and Accelerate < 1.16 save the CPU, CUDA, XLA, NPU, ... R
 the plugin adds every core's ``torch.neuron`` state (``builtin/training/rng.py``). The model has dropout
 on the device, so a resume that does not restore the core's generator redraws the masks of the first
 steps: weights and losses then differ from the uninterrupted run (checked, with the patch taken out).
+The Trainer runs as a Trainium job would: bf16, ``torch_compile`` (backend ``"neuron"``), the plugin's
+length buckets; results are compared bitwise (the simulator is deterministic on the CPU).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def _trainer(out: Path, stop_at: int | None = None) -> Any:
         logging_steps=1,
         per_device_train_batch_size=4,
         learning_rate=1e-2,
+        bf16=True,
+        torch_compile=True,  # backend "neuron" (the plugin's default for it), static shapes from its buckets
     )
     return Trainer(
         model=_dropout_model(),
