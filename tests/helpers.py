@@ -47,6 +47,31 @@ def clean_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
+def run_launcher(cmd: list[str], *, cores: int, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
+    """Run a launcher command (torchrun, accelerate launch, ...) on ``cores`` simulated cores; fail with its output.
+
+    The launchers pick a free port, release it, then bind it: another test's process (gloo binds ephemeral
+    ports) can take it in between. That is the test machine, not the code under test, so it gets one more
+    try; any other failure fails at once.
+    """
+    for attempt in range(2):
+        proc = subprocess.run(
+            cmd,
+            env=clean_env(ACCELERATE_NEURON_SIMULATE=str(cores), OMP_NUM_THREADS="1", **env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=str(REPO),
+        )
+        if proc.returncode == 0 or attempt or "address already in use" not in proc.stderr.lower():
+            break
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
 def run_python(
     code: str, *, timeout: float = 600, check: bool = True, **env: str | None
 ) -> subprocess.CompletedProcess:

@@ -8,36 +8,21 @@ aliases collectives and the reducer run on): a comm hook aborted in ``_verify_pa
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, clean_env
+from helpers import run_launcher
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
-def _torchrun(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(SCRIPTS / script), *args]
-    for attempt in range(2):
-        proc = subprocess.run(
-            cmd,
-            env=clean_env(ACCELERATE_NEURON_SIMULATE=str(nproc), OMP_NUM_THREADS="1"),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=str(REPO),
-        )
-        # A free port picked by the launcher can be taken by another test's gloo before it binds it.
-        if proc.returncode == 0 or attempt or "address already in use" not in proc.stderr.lower():
-            break
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+def _torchrun(script: str, *args: str, nproc: int = 2) -> None:
+    run_launcher(
+        [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(SCRIPTS / script), *args], cores=nproc
     )
-    return proc
 
 
 def _ranks(out: Path) -> list[dict]:
@@ -46,31 +31,30 @@ def _ranks(out: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
-@pytest.mark.slow
-def test_ddp_comm_hook_join_and_no_sync_match_gloo_on_cpu(tmp_path: Path) -> None:
-    _torchrun("ddp_checks.py", str(tmp_path / "neuron"), "neuron")
-    _torchrun("ddp_checks.py", str(tmp_path / "cpu"), "cpu")
+def _assert_matches_gloo(script: str, cases: tuple[str, ...], tmp_path: Path) -> None:
+    """``script`` on 2 neuron ranks: every case runs, the ranks agree, and equals the same job on CPU/gloo."""
+    _torchrun(script, str(tmp_path / "neuron"), "neuron")
+    _torchrun(script, str(tmp_path / "cpu"), "cpu")
     neuron, cpu = _ranks(tmp_path / "neuron"), _ranks(tmp_path / "cpu")
-    for case in ("hook", "join", "no_sync"):
-        assert neuron[0][case] == neuron[1][case], case  # DDP keeps the replicas identical
+    for case in cases:
+        for rank in (0, 1):
+            assert isinstance(cpu[rank][case], list), cpu[rank][case]  # the reference itself must run
+            assert isinstance(neuron[rank][case], list), neuron[rank][case]  # the error, if any
+        assert neuron[0][case] == neuron[1][case], case  # the ranks hold identical weights
         for got, want in zip(neuron[0][case], cpu[0][case], strict=True):
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6), case
+
+
+@pytest.mark.slow
+def test_ddp_comm_hook_join_and_no_sync_match_gloo_on_cpu(tmp_path: Path) -> None:
+    _assert_matches_gloo("ddp_checks.py", ("hook", "join", "no_sync"), tmp_path)
 
 
 @pytest.mark.slow
 def test_fsdp_v1_and_v2_match_gloo_on_cpu(tmp_path: Path) -> None:
     # FSDP v1 frees its unsharded flat parameter with storage().resize_(0) and set_()s a shard into it (the
     # simulator once moved that storage to the CPU); FSDP v2 shards DTensors over a device mesh.
-    _torchrun("fsdp_checks.py", str(tmp_path / "neuron"), "neuron")
-    _torchrun("fsdp_checks.py", str(tmp_path / "cpu"), "cpu")
-    neuron, cpu = _ranks(tmp_path / "neuron"), _ranks(tmp_path / "cpu")
-    for case in ("fsdp1", "fsdp2"):
-        for rank in (0, 1):
-            assert isinstance(cpu[rank][case], list), cpu[rank][case]  # the reference itself must run
-            assert isinstance(neuron[rank][case], list), neuron[rank][case]  # the error, if any
-        assert neuron[0][case] == neuron[1][case], case  # every rank gathers the same full weights
-        for got, want in zip(neuron[0][case], cpu[0][case], strict=True):
-            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), case
+    _assert_matches_gloo("fsdp_checks.py", ("fsdp1", "fsdp2"), tmp_path)
 
 
 def test_storage_resized_to_zero_stays_on_its_core() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from accelerate_neuron import patching, tiny
 from accelerate_neuron.builtin.enum_backfill import has_native_member
 from accelerate_neuron.builtin.launch.cores import core_for_rank
-from helpers import REPO, clean_env
+from helpers import run_launcher
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BIN = Path(sys.executable).parent
@@ -34,28 +33,6 @@ import tp_step  # noqa: E402
 
 def _record(key: str) -> patching.PatchRecord | None:
     return {r.key: r for r in patching.records()}.get(key)
-
-
-def _run(cmd: list[str], *, cores: int, **env: str) -> subprocess.CompletedProcess:
-    for attempt in range(2):
-        proc = subprocess.run(
-            cmd,
-            env=clean_env(ACCELERATE_NEURON_SIMULATE=str(cores), OMP_NUM_THREADS="1", **env),
-            capture_output=True,
-            text=True,
-            timeout=900,
-            cwd=str(REPO),
-        )
-        # The launchers pick a free port, release it, then bind it: another test's process (gloo
-        # binds ephemeral ports) can take it in between. That is the test machine, not the code
-        # under test, so it gets one more try; any other failure fails at once.
-        if proc.returncode == 0 or attempt or "address already in use" not in proc.stderr.lower():
-            break
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
-    return proc
 
 
 def _reports(out_dir: Path, count: int) -> list[dict]:
@@ -242,7 +219,7 @@ def test_accelerate_launch_two_processes(tmp_path: Path) -> None:
 
     out = tmp_path / "out"
     launch = [str(BIN / "accelerate"), "launch", "--config_file", str(config_file), "--main_process_port", "0"]
-    _run([*launch, str(SCRIPTS / "accelerate_train.py"), str(out)], cores=2, **env)
+    run_launcher([*launch, str(SCRIPTS / "accelerate_train.py"), str(out)], cores=2, **env)
     reports = _reports(out, 2)
 
     _assert_own_cores(reports)
@@ -300,7 +277,7 @@ def _assert_matches(reports: list[dict], reference: dict) -> None:
 
 def _torchrun(nproc: int, model_dir: Path, out: Path, tp: int, fsdp: int, **env: str) -> list[dict]:
     cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", str(SCRIPTS / "tp_step.py")]
-    _run([*cmd, str(model_dir), str(out), str(tp), str(fsdp)], cores=nproc, **env)
+    run_launcher([*cmd, str(model_dir), str(out), str(tp), str(fsdp)], cores=nproc, **env)
     return _reports(out, nproc)
 
 
@@ -311,7 +288,7 @@ def test_notebook_launcher_two_processes(tmp_path: Path) -> None:
     Issue 14 reported it taking over 120 s with the plugin active; on the simulator it takes seconds on both
     version pairs. The subprocess timeout is only a hang guard: a hang fails the test instead of the suite.
     """
-    _run([str(BIN / "python"), str(SCRIPTS / "notebook_train.py"), str(tmp_path)], cores=2)
+    run_launcher([str(BIN / "python"), str(SCRIPTS / "notebook_train.py"), str(tmp_path)], cores=2)
     reports = _reports(tmp_path, 2)
     _assert_own_cores(reports)
     assert all(r["distributed_type"].endswith("MULTI_NEURON") for r in reports), reports

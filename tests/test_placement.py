@@ -162,7 +162,7 @@ def test_bad_max_memory_names_the_key_or_value(max_memory: dict, named: str) -> 
 def test_planning_with_invisible_cores_is_as_permissive_as_upstream(caplog: pytest.LogCaptureFixture) -> None:
     # Upstream's get_max_memory only converts sizes (and warns) for an accelerator index it cannot see: a plan
     # may be made for another host. Placing is where an invisible core is refused (tests below).
-    _placement_memory._warned_cores.discard(2)
+    _placement_memory._warned.discard("invisible core 2")
     with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
         assert accelerate.utils.get_max_memory({0: 200, "neuron:2": "1KB"}) == {0: 200, 2: 1000}
         accelerate.utils.get_max_memory({2: 200})

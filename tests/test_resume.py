@@ -10,8 +10,6 @@ length buckets; results are compared bitwise (the simulator is deterministic on 
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +17,9 @@ import pytest
 import torch
 
 from accelerate_neuron import tiny
+from test_training import _restore_env  # noqa: F401 - autouse: Transformers 4.x writes ACCELERATE_* env
 
 STEPS, SAVE_AT = 4, 2
-
-
-@pytest.fixture(autouse=True)
-def _restore_env() -> Iterator[None]:
-    # Transformers 4.x writes ACCELERATE_DYNAMO_* / ACCELERATE_MIXED_PRECISION into os.environ.
-    saved = {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_DYNAMO_", "ACCELERATE_MIXED"))}
-    yield
-    for key in [k for k in os.environ if k.startswith(("ACCELERATE_DYNAMO_", "ACCELERATE_MIXED"))]:
-        del os.environ[key]
-    os.environ.update(saved)
 
 
 def _features() -> list[dict[str, list[int]]]:

@@ -31,9 +31,6 @@ class PlacementError(ValueError):
     """A ``device_map`` / ``max_memory`` value that names no visible Neuron core or no valid size."""
 
 
-_warned_cores: set[int] = set()
-
-
 def describe_visible(cores: int | None = None) -> str:
     """``"this process sees 2 Neuron core(s): 0, 1"`` (+ NEURON_RT_VISIBLE_CORES when set)."""
     count = device.device_count() if cores is None else cores
@@ -119,10 +116,10 @@ def _core_key(key: Any, cores: int) -> int:
             f"max_memory key {key!r} is not recognised on this Neuron host: use core indices "
             f"0..{cores - 1} (or 'neuron:0'..'neuron:{cores - 1}'), 'cpu' and 'disk' ({describe_visible(cores)})."
         )
-    if not 0 <= index < cores and index not in _warned_cores:
+    if not 0 <= index < cores and f"invisible core {index}" not in _warned:
         # Planning only converts sizes, as upstream's get_max_memory does for a GPU it cannot see (it warns
         # too): a plan may be made for another host. Carrying out a plan that uses the core raises.
-        _warned_cores.add(index)
+        _warned.add(f"invisible core {index}")
         logger.warning(
             "accelerate_neuron: max_memory key %r names Neuron core %d, which is not visible (%s); planning "
             "goes on, but placing anything there will fail.",
