@@ -32,13 +32,8 @@ def _dropout_model() -> Any:
     return tiny.model("gpt2", resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.0)
 
 
-def _trainer(out: Path, stop_at: int | None = None) -> Any:
-    from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
-
-    class Interrupt(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == stop_at:
-                control.should_training_stop = True  # after this step's save: the job "dies" here
+def _trainer(out: Path) -> Any:
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     torch._dynamo.reset()
     args = TrainingArguments(
@@ -59,7 +54,6 @@ def _trainer(out: Path, stop_at: int | None = None) -> Any:
         args=args,
         train_dataset=_features(),
         data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
-        callbacks=[Interrupt()] if stop_at else [],
     )
 
 
@@ -69,11 +63,28 @@ def _result(trainer: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, weights
 
 
-def _interrupted_then_resumed(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    first = _trainer(out, stop_at=SAVE_AT)
-    first.train()
-    assert (out / f"checkpoint-{SAVE_AT}").is_dir()
-    torch.neuron.manual_seed(1234)  # whatever the dead process's generator held is gone
+def _killed_run(out: Path, moment: str, **env: str) -> None:
+    """``scripts/train_killed_in_save.py``: the same job in a child process, SIGKILLed at ``moment``."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, clean_env
+
+    script = Path(__file__).parent / "scripts" / "train_killed_in_save.py"
+    child_env = clean_env(ACCELERATE_NEURON_SIMULATE="1", PYTHONPATH=str(Path(__file__).parent), **env)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out), moment],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO),
+    )
+    assert proc.returncode == -9, proc.stderr[-4000:]  # SIGKILL, not a clean exit
+
+
+def _resumed(out: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.neuron.manual_seed(1234)  # whatever the killed process's generator held is gone
     resumed = _trainer(out)
     resumed.train(resume_from_checkpoint=True)
     return _result(resumed)
@@ -83,7 +94,11 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_trainer_resume_replays_dropout_exactly(sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trainer_resume_after_sigkill_replays_dropout_exactly(
+    sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
     from transformers import Trainer
 
     uninterrupted = _trainer(tmp_path / "whole")
@@ -95,13 +110,17 @@ def test_trainer_resume_replays_dropout_exactly(sim: Any, tmp_path: Path, monkey
     saved = torch.load(tmp_path / "whole" / f"checkpoint-{SAVE_AT}" / "rng_state.pth", weights_only=False)
     assert len(saved["neuron"]) == torch.neuron.device_count()  # every visible core's generator
 
-    losses, weights = _interrupted_then_resumed(tmp_path / "resumed")
+    _killed_run(tmp_path / "killed", "after-save")  # SIGKILL right after checkpoint-2 is on disk
+    assert sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*")) == [f"checkpoint-{SAVE_AT}"]
+    shutil.copytree(tmp_path / "killed", tmp_path / "unpatched")
+
+    losses, weights = _resumed(tmp_path / "killed")
     assert losses == want_losses
     assert _same(weights, want_weights)
 
     # The same resume without the plugin's restore redraws the first steps' dropout masks.
     monkeypatch.setattr(Trainer, "_load_rng_state", Trainer._load_rng_state.__wrapped__)
-    losses, weights = _interrupted_then_resumed(tmp_path / "unpatched")
+    losses, weights = _resumed(tmp_path / "unpatched")
     assert losses[:SAVE_AT] == want_losses[:SAVE_AT]
     assert losses[SAVE_AT:] != want_losses[SAVE_AT:]
     assert not _same(weights, want_weights)
@@ -177,20 +196,10 @@ def test_rng_patches_are_applied_or_stand_aside_for_upstream(unpatched: Any) -> 
 def test_resume_after_a_kill_inside_the_checkpoint_write_picks_the_last_complete_one(
     sim: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import subprocess
-    import sys
-
     from transformers.trainer_utils import get_last_checkpoint
 
-    from helpers import REPO, clean_env
-
     out = tmp_path / "out"
-    script = Path(__file__).parent / "scripts" / "train_killed_in_save.py"
-    env = clean_env(ACCELERATE_NEURON_SIMULATE="1", PYTHONPATH=str(Path(__file__).parent))
-    proc = subprocess.run(
-        [sys.executable, str(script), str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=str(REPO)
-    )
-    assert proc.returncode == -9, proc.stderr[-4000:]  # SIGKILL, inside checkpoint-4's write
+    _killed_run(out, "in-save")  # inside checkpoint-4's write
     assert (out / "checkpoint-4" / "model.safetensors").is_file()  # weights written, state torn
     with caplog.at_level("WARNING", logger="accelerate_neuron"):
         assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
@@ -203,3 +212,77 @@ def test_resume_after_a_kill_inside_the_checkpoint_write_picks_the_last_complete
     whole.train()
     want_losses, want_weights = _result(whole)
     assert losses == want_losses and _same(weights, want_weights)
+
+
+def _recording_lengths(trainer: Any) -> list[int]:
+    lengths: list[int] = []
+    step = trainer.training_step
+
+    def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        lengths.append(inputs["input_ids"].shape[1])
+        return step(model, inputs, *args, **kwargs)
+
+    trainer.training_step = training_step
+    return lengths
+
+
+def test_resume_pads_with_the_checkpoints_length_buckets(
+    sim: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+    import shutil
+
+    from accelerate_neuron.builtin.training.shape_state import POLICY_FILE
+    from accelerate_neuron.builtin.training.shapes import BUCKETS_ENV
+
+    monkeypatch.setenv(BUCKETS_ENV, "32,48")  # the interrupted job's choice; the default would pad to 64
+    whole = _trainer(tmp_path / "whole")
+    seen = _recording_lengths(whole)
+    whole.train()
+    want_losses, want_weights = _result(whole)
+    assert set(seen) == {32}
+
+    _killed_run(tmp_path / "killed", "after-save", **{BUCKETS_ENV: "32,48"})
+    record = json.loads((tmp_path / "killed" / f"checkpoint-{SAVE_AT}" / POLICY_FILE).read_text())
+    assert record["buckets"] == [32, 48] and record["source"] == f"{BUCKETS_ENV}=32,48"
+    shutil.copytree(tmp_path / "killed", tmp_path / "explicit")
+
+    monkeypatch.delenv(BUCKETS_ENV)  # the restarted job forgot it: the checkpoint remembers
+    resumed = _trainer(tmp_path / "killed")
+    seen = _recording_lengths(resumed)
+    with caplog.at_level("WARNING", logger="accelerate_neuron"):
+        resumed.train(resume_from_checkpoint=True)
+    assert seen == [32] * (STEPS - SAVE_AT)
+    losses, weights = _result(resumed)
+    assert losses == want_losses and _same(weights, want_weights)
+    assert any(
+        f"resuming with the length buckets [32, 48] (saved in checkpoint-{SAVE_AT})" in r.getMessage()
+        for r in caplog.records
+    )
+    saved = json.loads((tmp_path / "killed" / f"checkpoint-{STEPS}" / POLICY_FILE).read_text())
+    assert saved["buckets"] == [32, 48]  # and the next checkpoint keeps it
+
+    # A bucket choice named in this run's environment wins, with a warning that the resume is not exact.
+    caplog.clear()
+    monkeypatch.setenv(BUCKETS_ENV, "64")
+    explicit = _trainer(tmp_path / "explicit")
+    seen = _recording_lengths(explicit)
+    with caplog.at_level("WARNING", logger="accelerate_neuron"):
+        explicit.train(resume_from_checkpoint=True)
+    assert seen == [64] * (STEPS - SAVE_AT)
+    assert any("not the checkpoint's buckets [32, 48]" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unreadable_saved_policy_is_ignored_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from accelerate_neuron.builtin.training import shape_state
+    from accelerate_neuron.builtin.training.shapes import ShapePolicy
+
+    policy = ShapePolicy(buckets=(64, 128), pad_to_multiple_of=None, source="built-in default")
+    assert shape_state.load(shape_state.save(policy, tmp_path).parent) == ShapePolicy(
+        buckets=(64, 128), source="saved in " + tmp_path.name
+    )
+    (tmp_path / shape_state.POLICY_FILE).write_text('{"buckets": [64, -1], "pad_to_multiple_of": null}')
+    with caplog.at_level("WARNING", logger="accelerate_neuron"):
+        assert shape_state.load(tmp_path) is None
+    assert any(shape_state.POLICY_FILE in r.getMessage() and "ignoring" in r.getMessage() for r in caplog.records)
+    assert shape_state.adopt(policy, None) is None

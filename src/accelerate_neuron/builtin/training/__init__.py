@@ -14,6 +14,8 @@
 - recompile watchdog (:mod:`.watchdog`).
 - exact resume (:mod:`.rng`): ``torch.neuron``'s RNG states saved and restored
   by Trainer checkpoints and by Accelerate's ``save_state`` / ``load_state``.
+- the length buckets saved with each checkpoint and adopted on resume
+  (:mod:`.shape_state`, wired by :mod:`.trainer`).
 - crash-safe resume (:mod:`.checkpoints`): ``get_last_checkpoint`` skips
   checkpoint folders a killed job left half-written.
 
@@ -109,6 +111,25 @@ def neuron_patches() -> list[Patch]:
             reason="a recompile after warm-up names the input whose shape changed and the fix",
             lacking="every release",
             params=("model", "args"),
+        ),
+        # --- exact resume: the length buckets travel with the checkpoint
+        Patch(
+            "transformers.trainer",
+            "Trainer._save_optimizer_and_scheduler",
+            trainer.wrap_save_optimizer_and_scheduler,
+            reason="on Neuron with torch_compile, each checkpoint records the length buckets its batches were "
+            "padded to (neuron_shape_policy.json, before trainer_state.json)",
+            lacking="every release",
+            params=("self", "output_dir"),
+        ),
+        Patch(
+            "transformers.trainer",
+            "Trainer._inner_training_loop",
+            trainer.wrap_inner_training_loop,
+            reason="resume_from_checkpoint pads batches with the checkpoint's length buckets (unless "
+            "ACCELERATE_NEURON_TRAIN_BUCKETS is set), so the resumed steps compile no new graphs",
+            lacking="every release",
+            params=("self", "batch_size", "args", "resume_from_checkpoint"),
         ),
         # --- crash-safe resume: never a half-written checkpoint
         Patch(

@@ -8,16 +8,22 @@ Two patches, active only when the Trainer compiles on a Neuron device:
   (not the user) turned ``dataloader_drop_last`` on, so metrics see every sample.
 - ``Trainer.__init__``: adds a callback that attaches the recompile watchdog
   to the compiled model once training has prepared it.
+- ``Trainer._save_optimizer_and_scheduler`` / ``Trainer._inner_training_loop``:
+  the shape policy is saved with each checkpoint and adopted on resume
+  (:mod:`.shape_state`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+import os
 import weakref
 from typing import Any
 
 from ... import device
+from . import shape_state
 from .args import DROP_LAST_ATTR
 from .shapes import BUCKETS_ENV, ShapePolicy, bucketing_collator, collator_max_length, resolve_policy
 from .watchdog import RecompileWatchdog
@@ -26,6 +32,8 @@ logger = logging.getLogger("accelerate_neuron")
 
 _POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 _logged: set[str] = set()
+#: Where a resumed Trainer keeps the policy its checkpoint was trained with.
+RESUMED_ATTR = "_accelerate_neuron_resumed_policy"
 
 
 def compiles_on_neuron(args: Any) -> bool:
@@ -47,6 +55,9 @@ def model_max_length(model: Any) -> int | None:
 
 
 def trainer_policy(trainer: Any) -> ShapePolicy:
+    resumed = getattr(trainer, "__dict__", {}).get(RESUMED_ATTR)
+    if resumed is not None:
+        return resumed
     collator = getattr(trainer, "data_collator", None)
     return resolve_policy(collator_max_length(collator, model_max_length(getattr(trainer, "model", None))))
 
@@ -139,17 +150,19 @@ def wrap_trainer_init(original: Any) -> Any:
         original(self, *args, **kwargs)
         try:
             if compiles_on_neuron(self.args):
-                policy = trainer_policy(self)
+                ref = weakref.ref(self)
 
                 def expected(name: str, old: Any, new: Any) -> bool:
-                    # A new length bucket is a compile the policy intends.
+                    # A new length bucket is a compile the policy intends (a resumed run's is the checkpoint's).
+                    owner = ref()
                     return (
-                        old is not None
+                        owner is not None
+                        and old is not None
                         and new is not None
                         and len(old) == len(new) >= 2
                         and old[0] == new[0]
                         and old[2:] == new[2:]
-                        and policy.is_target(new[1])
+                        and trainer_policy(owner).is_target(new[1])
                     )
 
                 self.add_callback(_watchdog_callback(self, RecompileWatchdog(expected=expected)))
@@ -159,3 +172,30 @@ def wrap_trainer_init(original: Any) -> Any:
             logger.debug("accelerate_neuron: recompile watchdog not installed", exc_info=True)
 
     return __init__
+
+
+def wrap_save_optimizer_and_scheduler(original: Any) -> Any:
+    @functools.wraps(original)
+    def _save_optimizer_and_scheduler(self: Any, output_dir: str, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, output_dir, *args, **kwargs)
+        if compiles_on_neuron(self.args) and self.args.should_save:
+            shape_state.save(trainer_policy(self), output_dir)
+        return result
+
+    return _save_optimizer_and_scheduler
+
+
+def wrap_inner_training_loop(original: Any) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _inner_training_loop(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__.pop(RESUMED_ATTR, None)
+        checkpoint = signature.bind(self, *args, **kwargs).arguments.get("resume_from_checkpoint")
+        if isinstance(checkpoint, str | os.PathLike) and compiles_on_neuron(self.args):
+            chosen = shape_state.adopt(trainer_policy(self), shape_state.load(checkpoint))
+            if chosen is not None:
+                self.__dict__[RESUMED_ATTR] = chosen
+        return original(self, *args, **kwargs)
+
+    return _inner_training_loop
