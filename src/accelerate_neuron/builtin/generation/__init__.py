@@ -9,6 +9,8 @@
   release (:mod:`.cache`).
 - Greedy decoding takes the argmax on the device, so one id per row crosses to
   the host instead of the whole logits row.
+- Threads calling ``generate()`` on one model never share a KV cache
+  (:mod:`.concurrency`).
 
 Hooks with built-in answers here: ``neuron_generation_tensor_device``,
 ``neuron_compile_config`` (purpose ``"generate"``), ``neuron_static_cache_length``.
@@ -37,7 +39,8 @@ def neuron_patches() -> list[Patch]:
             f"{_MIXIN}.generate",
             devices.wrap_generate,
             reason="generate() keeps growing tensors on the host, moves forward inputs to Neuron before each "
-            "forward, and returns the result on the caller's device",
+            "forward, and returns the result on the caller's device; concurrent calls on one model take turns "
+            "where upstream reuses one KV cache between calls (4.x model._cache)",
             lacking="every release (>= 5.20 moves host inputs to the model, but ids put on Neuron grow there)",
             params=("inputs", "generation_config"),
         ),

@@ -33,6 +33,7 @@ import torch
 from ... import device as neuron_device
 from ...plugins import call_hook
 from . import bucketing, padding
+from .concurrency import one_call_at_a_time
 
 #: Keyword arguments of ``generate`` that the loop grows, or that decide the
 #: device of what it grows (``inputs_tensor.device`` in upstream's code).
@@ -279,7 +280,12 @@ def wrap_generate(original: Callable[..., Any]) -> Callable[..., Any]:
         if not _assisted(self, kwargs):
             args, kwargs, caller = bring_home(self, dev, args, kwargs)
             prompt = _prompt_length(self, args, kwargs)
-        with padding.planning(prompt), forward_inputs_on(self, dev), quiet_host_input_warning():
+        with (
+            one_call_at_a_time(self),
+            padding.planning(prompt),
+            forward_inputs_on(self, dev),
+            quiet_host_input_warning(),
+        ):
             result = _caller_layout(original(self, *args, **kwargs))
         return send_back(result, caller)
 
