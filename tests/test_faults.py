@@ -173,6 +173,9 @@ def test_two_threads_generating_on_one_model_get_their_own_tokens(sim: Any, tok:
     model = tiny.model("qwen3").to(f"neuron:{CORE}")
     want = {p: _greedy(model, tok, p) for p in PROMPTS}  # alone, one after the other (warms every shape)
     sim.reset_stats()
+    assert {p: _greedy(model, tok, p) for p in PROMPTS} == want
+    one_pass = sim.stats()
+    sim.reset_stats()
 
     got: dict[int, list[tuple[str, list[int]]]] = {0: [], 1: []}
     errors: list[BaseException] = []
@@ -201,3 +204,5 @@ def test_two_threads_generating_on_one_model_get_their_own_tokens(sim: Any, tok:
     stats = sim.stats()
     assert stats["compiles"] == 0  # every shape was compiled by the calls alone: threads add no graph
     assert stats["eager_compiles"] == 0
+    for counter in ("eager_ops", "h2d_bytes", "d2h_bytes"):  # each prompt ran 3 times: no update lost
+        assert stats[counter] == 3 * one_pass[counter], (counter, stats[counter], one_pass[counter])
