@@ -313,3 +313,80 @@ def test_torchrun_four_processes(tmp_path: Path, tiny_model_dir: Path, single_pr
     _assert_own_cores(reports)
     assert all(r["world_size"] == 4 for r in reports)
     _assert_matches(reports, single_process)
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_job_with_an_error_not_a_hang(tmp_path: Path) -> None:
+    """Rank 1 exits mid-job without a word; rank 0 is waiting in the gradient all-reduce. The launcher
+    must notice, stop rank 0 and exit non-zero, naming the rank, within a bounded time."""
+    import subprocess
+    import time
+
+    from accelerate.commands.config import default
+
+    from helpers import REPO, clean_env
+
+    config_file = tmp_path / "default_config.yaml"
+    default.write_basic_config(save_location=str(config_file))
+    out = tmp_path / "out"
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config_file), "--main_process_port", "0"]
+    started = time.monotonic()
+    proc = subprocess.run(
+        [*cmd, str(SCRIPTS / "rank_dies.py"), str(out)],
+        env=clean_env(ACCELERATE_NEURON_SIMULATE="2", OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,  # a hang fails here; the bound asserted below is tighter
+        cwd=str(REPO),
+    )
+    elapsed = time.monotonic() - started
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert elapsed < 120, f"the job took {elapsed:.0f} s to give up:\n{output[-4000:]}"
+    assert "exitcode: 7" in output and "rank: 1" in output, output[-4000:]  # torch elastic's failure summary
+    assert (out / "rank1.steps").read_text().split() == ["0", "1"]
+    assert (out / "rank0.steps").read_text().split() == ["0", "1"]  # step 2's all-reduce never completed
+
+
+@pytest.mark.slow
+def test_without_a_launcher_the_surviving_rank_raises_when_its_peer_dies(tmp_path: Path) -> None:
+    """Ranks started by hand (a scheduler's srun/mpirun, no torch elastic agent to stop the others): the
+    survivor's all-reduce fails within seconds with the collective's error, it does not wait for a timeout.
+
+    The simulated collectives run over gloo's TCP transport, which sees the dead peer's socket close; on
+    Trainium they run over the Neuron runtime's collectives, whose dead-peer behaviour only hardware shows.
+    """
+    import socket
+    import subprocess
+    import time
+
+    from helpers import REPO, clean_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    started = time.monotonic()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "rank_dies.py"), str(out)],
+            env=clean_env(
+                ACCELERATE_NEURON_SIMULATE="2", OMP_NUM_THREADS="1", RANK=str(r), LOCAL_RANK=str(r), **common
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=str(REPO),
+        )
+        for r in (0, 1)
+    ]
+    results = [p.communicate(timeout=300) for p in ranks]
+    elapsed = time.monotonic() - started
+    assert ranks[1].returncode == 7, results[1][1][-4000:]
+    assert ranks[0].returncode not in (0, None), results[0][1][-4000:]
+    assert elapsed < 120, f"rank 0 took {elapsed:.0f} s to fail"
+    assert "Connection reset by peer" in results[0][1] or "Connection closed by peer" in results[0][1], results[0][1][
+        -4000:
+    ]
+    assert (out / "rank0.steps").read_text().split() == ["0", "1"]
