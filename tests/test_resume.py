@@ -5,11 +5,13 @@ the plugin adds every core's ``torch.neuron`` state (``builtin/training/rng.py``
 on the device, so a resume that does not restore the core's generator redraws the masks of the first
 steps: weights and losses then differ from the uninterrupted run (checked, with the patch taken out).
 The Trainer runs as a Trainium job would: bf16, ``torch_compile`` (backend ``"neuron"``), the plugin's
-length buckets; results are compared bitwise (the simulator is deterministic on the CPU).
+length buckets; results are compared bitwise (the simulator is deterministic on the CPU). A 2-rank
+``accelerate launch`` job is killed and relaunched the same way (``scripts/launch_resume.py``).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -286,3 +288,99 @@ def test_an_unreadable_saved_policy_is_ignored_with_a_warning(tmp_path: Path, ca
         assert shape_state.load(tmp_path) is None
     assert any(shape_state.POLICY_FILE in r.getMessage() and "ignoring" in r.getMessage() for r in caplog.records)
     assert shape_state.adopt(policy, None) is None
+
+
+@pytest.mark.slow
+def test_two_rank_accelerate_launch_killed_and_resumed_equals_the_uninterrupted_job(tmp_path: Path) -> None:
+    """``scripts/launch_resume.py`` under ``accelerate launch`` on 2 cores: save_state after step 3, every rank
+    SIGKILLed at step 4, relaunched with load_state + skip_first_batches: the job ends where the uninterrupted
+    one does, bitwise. Accelerate loads the model ``on_device`` with several processes, as ``"neuron:0"``,
+    which safetensors refused (``placement.accelerate_load_state_model``)."""
+    import json
+    import subprocess
+
+    from accelerate.commands.config import default
+
+    from helpers import REPO, clean_env, run_launcher
+
+    config_file = tmp_path / "default_config.yaml"
+    default.write_basic_config(save_location=str(config_file))  # MULTI_NEURON, 2 processes, dynamo NEURON
+    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file)]
+    script = str(Path(__file__).parent / "scripts" / "launch_resume.py")
+
+    def job(out: Path, mode: str) -> None:
+        run_launcher([*launch, "--main_process_port", "0", script, str(out), mode], cores=2)
+
+    def reports(out: Path, mode: str) -> list[dict]:
+        return [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)]
+
+    job(tmp_path / "full", "full")
+    killed = subprocess.run(
+        [*launch, "--main_process_port", "0", script, str(tmp_path / "run"), "killed"],
+        env=clean_env(ACCELERATE_NEURON_SIMULATE="2", OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO),
+    )
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-4000:]
+    job(tmp_path / "run", "resumed")
+
+    full, before, after = (
+        reports(tmp_path / d, m) for d, m in (("full", "full"), ("run", "killed"), ("run", "resumed"))
+    )
+    for rank in (0, 1):
+        assert full[rank]["device"] == after[rank]["device"] == "neuron:0"
+        assert before[rank]["losses"] + after[rank]["losses"] == full[rank]["losses"]
+        assert after[rank]["weights"] == full[rank]["weights"]
+
+
+def test_accelerate_load_state_skips_the_automatic_checkpoint_a_kill_left_half_written(
+    sim: Any, unpatched: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``scripts/accelerate_killed_in_save.py``: SIGKILL inside the second automatic ``save_state``, half of
+    ``random_states_0.pkl`` on disk. Upstream's ``load_state()`` takes that checkpoint_1 and, as it cannot
+    read the RNG file, goes on without it (an info-level log line): a silently inexact resume. The plugin's
+    takes checkpoint_0 and says why."""
+    import subprocess
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+    from safetensors.torch import load_file
+
+    from helpers import REPO, clean_env
+
+    script = Path(__file__).parent / "scripts" / "accelerate_killed_in_save.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=clean_env(ACCELERATE_NEURON_SIMULATE="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO),
+    )
+    assert proc.returncode == -9, proc.stderr[-4000:]
+    folders = tmp_path / "checkpoints"
+    saved = [load_file(folders / name / "model.safetensors") for name in ("checkpoint_0", "checkpoint_1")]
+    assert any(not torch.equal(saved[0][k], saved[1][k]) for k in saved[0])  # two different states on disk
+
+    def loaded() -> dict[str, torch.Tensor]:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+        acc = Accelerator(project_config=project)
+        model = _dropout_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = acc.prepare(model, opt)
+        acc.load_state()
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    def equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+        return all(torch.equal(got[k], want[k]) for k in want)
+
+    with caplog.at_level("WARNING", logger="accelerate_neuron"):
+        assert equal(loaded(), saved[0])
+    assert any("checkpoint_1 (random_states_0.pkl unreadable" in r.getMessage() for r in caplog.records)
+    with unpatched():
+        assert equal(loaded(), saved[1])  # upstream: the torn checkpoint, no error

@@ -120,6 +120,16 @@ def neuron_patches() -> list[Patch]:
             name="placement.safetensors_open",
         ),
         Patch(
+            # Accelerator.load_state on more than one process loads the model "on_device": str(device)
+            "accelerate.checkpointing",
+            "load_model",
+            lambda original: dispatch.wrap_safetensors_device(original, position=3),
+            reason="safetensors accepts only ints as a Neuron device; Accelerator.load_state with several "
+            "processes passes 'neuron:N' (every multi-rank resume failed: 'device neuron:0 is invalid')",
+            lacking="every safetensors release (no string spelling of a Neuron device)",
+            name="placement.accelerate_load_state_model",
+        ),
+        Patch(
             "accelerate.big_modeling",
             "dispatch_model",
             dispatch.wrap_dispatch_model,

@@ -16,8 +16,9 @@
   by Trainer checkpoints and by Accelerate's ``save_state`` / ``load_state``.
 - the length buckets saved with each checkpoint and adopted on resume
   (:mod:`.shape_state`, wired by :mod:`.trainer`).
-- crash-safe resume (:mod:`.checkpoints`): ``get_last_checkpoint`` skips
-  checkpoint folders a killed job left half-written.
+- crash-safe resume (:mod:`.checkpoints`): ``get_last_checkpoint`` and
+  ``Accelerator.load_state()`` (automatic checkpoint naming) skip checkpoint
+  folders a killed job left half-written.
 
 Hooks implemented: ``neuron_compile_config`` (purpose ``"train"``),
 ``neuron_training_shape_policy``. Nothing here imports transformers or
@@ -142,6 +143,15 @@ def neuron_patches() -> list[Patch]:
             params=("folder",),
             aliases=("transformers.trainer.get_last_checkpoint",),
             needed=checkpoints.skips_partial,
+        ),
+        Patch(
+            "accelerate.accelerator",
+            "Accelerator.load_state",
+            checkpoints.wrap_accelerator_load_state,
+            reason="load_state() with automatic checkpoint naming skips checkpoint_N folders a killed job left "
+            "half-written (a missing or torn random_states_<rank>.pkl), with a warning naming them",
+            lacking="every release up to 1.16 (the highest checkpoint_N, finished or not)",
+            params=("self", "input_dir"),
         ),
         # --- exact resume: torch.neuron's RNG states in checkpoints
         Patch(

@@ -7,6 +7,12 @@ OOM-killed, SIGKILL) leaves a ``checkpoint-N`` without a (complete)
 returns the highest ``checkpoint-N`` whatever it holds: ``resume_from_checkpoint=True``
 then fails on the missing file or, worse, loads a torn one. The wrapper returns
 the newest *complete* checkpoint and names the ones it skipped.
+
+Accelerate's ``save_state`` with ``ProjectConfiguration(automatic_checkpoint_naming=True)`` has the same
+gap: ``load_state()`` without a folder takes the highest ``checkpoints/checkpoint_N`` (Accelerate 1.10 to
+1.16). There every process writes its ``random_states_<rank>.pkl`` last (rank 0's after the model,
+optimizer, scheduler and samplers), then rank 0 the registered custom objects: a folder missing one of
+them, or holding a torn one, was not finished.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import functools
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -94,3 +101,76 @@ def _warn(folder: str, skipped: list[str], picked: str | None) -> None:
         ", ".join(skipped),
         f"resuming from {os.path.basename(picked)}" if picked else "no complete checkpoint is left to resume from",
     )
+
+
+# --- Accelerate: load_state() with automatic checkpoint naming ------------------------------------
+
+#: Upstream's own rule for a checkpoint's number: the last run of digits in its name.
+_ACCELERATE_NUMBER = re.compile(r"([0-9]+)(?=[^/]*$)")
+
+
+def accelerate_incomplete(path: str, processes: int, custom_objects: int) -> str | None:
+    """Why the Accelerate ``save_state`` folder ``path`` is not finished, or None when it is."""
+    import torch
+
+    names = [f"random_states_{rank}.pkl" for rank in range(processes)]
+    names += [f"custom_checkpoint_{index}.pkl" for index in range(custom_objects)]
+    for name in names:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"no {name}: the save was interrupted"
+        try:
+            # Accelerate loads these with weights_only=False itself; they are a few KiB.
+            torch.load(file, map_location="cpu", weights_only=False)
+        except Exception as exc:  # a torn zip or pickle: any of several error types
+            return f"{name} unreadable ({type(exc).__name__}): the save was interrupted"
+    return None
+
+
+def wrap_accelerator_load_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_state(self: Any, input_dir: Any = None, *args: Any, **kwargs: Any) -> Any:
+        config = getattr(self, "project_configuration", None)
+        if input_dir is None and getattr(config, "automatic_checkpoint_naming", False):
+            input_dir = _newest_complete(self)
+        return original(self, input_dir, *args, **kwargs)
+
+    return load_state
+
+
+def _newest_complete(accelerator: Any) -> str | None:
+    """The folder ``load_state()`` should take, or None to leave the choice to upstream."""
+    folder = os.path.join(accelerator.project_dir, "checkpoints")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None  # upstream raises its own error
+    numbered = []
+    for name in names:
+        match = _ACCELERATE_NUMBER.search(name)
+        if match is None or not os.path.isdir(os.path.join(folder, name)):
+            return None  # a listing upstream's sort would not handle: its behaviour, not a guess
+        numbered.append((int(match.group(1)), name))
+    skipped = []
+    processes = accelerator.num_processes
+    custom = len(getattr(accelerator, "_custom_objects", ()))
+    for _, name in sorted(numbered, reverse=True):
+        path = os.path.join(folder, name)
+        reason = accelerate_incomplete(path, processes, custom)
+        if reason is None:
+            if skipped:
+                _warn(folder, skipped, path)
+            return path
+        skipped.append(f"{name} ({reason})")
+    if skipped:
+        # Nothing passes (e.g. each node's disk holds only its own ranks' files): upstream's choice, said.
+        key = (folder, "none complete", *skipped)
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning(
+                "accelerate_neuron: in %s no checkpoint looks complete to this process (%s); load_state() "
+                "takes the highest one as upstream does.",
+                folder,
+                ", ".join(skipped),
+            )
+    return None
