@@ -30,6 +30,7 @@ PLACEMENT_PATCHES = {
     "placement.load_checkpoint_in_model",
     "placement.safetensors_load_file",
     "placement.safetensors_open",
+    "placement.accelerate_load_state_model",
     "placement.dispatch_model",
     "placement.accelerate_added_attributes",
     "placement.caching_allocator_warmup",
