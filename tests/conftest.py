@@ -62,6 +62,20 @@ def _cold_neff_cache() -> Iterator[None]:
         yield
 
 
+_LEAKED_ENV = ("ACCELERATE_DYNAMO_", "ACCELERATE_MIXED")
+
+
+@pytest.fixture(autouse=True)
+def _restore_accelerate_env() -> Iterator[None]:
+    """Transformers 4.x's ``TrainingArguments`` writes ACCELERATE_DYNAMO_* / ACCELERATE_MIXED_PRECISION into
+    os.environ: without this, every later ``Accelerator()`` in the worker compiled its model or changed precision."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(_LEAKED_ENV)}
+    yield
+    for key in [k for k in os.environ if k.startswith(_LEAKED_ENV)]:
+        del os.environ[key]
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def sim() -> Iterator[object]:
     """The simulator module with its counters zeroed for this test."""

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from accelerate_neuron import tiny
-from test_training import _restore_env  # noqa: F401 - autouse: Transformers 4.x writes ACCELERATE_* env
 
 STEPS, SAVE_AT = 4, 2
 
@@ -374,7 +373,8 @@ def test_accelerate_load_state_skips_the_automatic_checkpoint_a_kill_left_half_w
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = acc.prepare(model, opt)
         acc.load_state()
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        # unwrap: a dynamo backend left in the environment by another test compiles it (keys "_orig_mod.")
+        return {k: v.detach().cpu() for k, v in acc.unwrap_model(model).state_dict().items()}
 
     def equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
         return all(torch.equal(got[k], want[k]) for k in want)

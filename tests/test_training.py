@@ -28,16 +28,6 @@ BATCH = 4
 BUCKETS = "32,64"
 
 
-@pytest.fixture(autouse=True)
-def _restore_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    # Transformers 4.x writes ACCELERATE_DYNAMO_* / ACCELERATE_MIXED_PRECISION into os.environ.
-    saved = {k: v for k, v in os.environ.items() if k.startswith(("ACCELERATE_DYNAMO_", "ACCELERATE_MIXED"))}
-    yield
-    for key in [k for k in os.environ if k.startswith(("ACCELERATE_DYNAMO_", "ACCELERATE_MIXED"))]:
-        del os.environ[key]
-    os.environ.update(saved)
-
-
 def _args(tmp_path: Any, **kwargs: Any) -> Any:
     from transformers import TrainingArguments
 
