@@ -47,8 +47,11 @@ def clean_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
-def run_launcher(cmd: list[str], *, cores: int, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
-    """Run a launcher command (torchrun, accelerate launch, ...) on ``cores`` simulated cores; fail with its output.
+def run_launcher(
+    cmd: list[str], *, cores: int, timeout: float = 900, check: bool = True, **env: str
+) -> subprocess.CompletedProcess:
+    """Run a launcher command (torchrun, accelerate launch, ...) on ``cores`` simulated cores; fail with its output
+    (``check=False``: return the failed process, for a job that must fail).
 
     The launchers pick a free port, release it, then bind it: another test's process (gloo binds ephemeral
     ports) can take it in between. That is the test machine, not the code under test, so it gets one more
@@ -65,7 +68,7 @@ def run_launcher(cmd: list[str], *, cores: int, timeout: float = 900, **env: str
         )
         if proc.returncode == 0 or attempt or "address already in use" not in proc.stderr.lower():
             break
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
         )

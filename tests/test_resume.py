@@ -296,11 +296,10 @@ def test_two_rank_accelerate_launch_killed_and_resumed_equals_the_uninterrupted_
     one does, bitwise. Accelerate loads the model ``on_device`` with several processes, as ``"neuron:0"``,
     which safetensors refused (``placement.accelerate_load_state_model``)."""
     import json
-    import subprocess
 
     from accelerate.commands.config import default
 
-    from helpers import REPO, clean_env, run_launcher
+    from helpers import run_launcher
 
     config_file = tmp_path / "default_config.yaml"
     default.write_basic_config(save_location=str(config_file))  # MULTI_NEURON, 2 processes, dynamo NEURON
@@ -314,13 +313,11 @@ def test_two_rank_accelerate_launch_killed_and_resumed_equals_the_uninterrupted_
         return [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)]
 
     job(tmp_path / "full", "full")
-    killed = subprocess.run(
+    killed = run_launcher(
         [*launch, "--main_process_port", "0", script, str(tmp_path / "run"), "killed"],
-        env=clean_env(ACCELERATE_NEURON_SIMULATE="2", OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
+        cores=2,
         timeout=600,
-        cwd=str(REPO),
+        check=False,
     )
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-4000:]
     job(tmp_path / "run", "resumed")

@@ -75,18 +75,25 @@ def wrap_get_last_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]
             match = pattern.search(name)
             if match is not None and os.path.isdir(os.path.join(folder, name)):
                 steps.append((int(match.groups()[0]), name))
-        skipped = []
-        for _, name in sorted(steps, reverse=True):
-            path = os.path.join(folder, name)
-            reason = incomplete(path)
-            if reason is None:
-                _warn(folder, skipped, path)
-                return path
-            skipped.append(f"{name} ({reason})")
-        _warn(folder, skipped, None)
-        return None
+        picked, skipped = _newest_complete_of(folder, steps, incomplete)
+        _warn(folder, skipped, picked)
+        return picked
 
     return get_last_checkpoint
+
+
+def _newest_complete_of(
+    folder: str, numbered: list[tuple[int, str]], reason_of: Callable[[str], str | None]
+) -> tuple[str | None, list[str]]:
+    """The newest of ``numbered`` (number, name) folders that ``reason_of`` finds complete, and the skipped ones."""
+    skipped = []
+    for _, name in sorted(numbered, reverse=True):
+        path = os.path.join(folder, name)
+        reason = reason_of(path)
+        if reason is None:
+            return path, skipped
+        skipped.append(f"{name} ({reason})")
+    return None, skipped
 
 
 def _warn(folder: str, skipped: list[str], picked: str | None) -> None:
@@ -151,17 +158,13 @@ def _newest_complete(accelerator: Any) -> str | None:
         if match is None or not os.path.isdir(os.path.join(folder, name)):
             return None  # a listing upstream's sort would not handle: its behaviour, not a guess
         numbered.append((int(match.group(1)), name))
-    skipped = []
     processes = accelerator.num_processes
     custom = len(getattr(accelerator, "_custom_objects", ()))
-    for _, name in sorted(numbered, reverse=True):
-        path = os.path.join(folder, name)
-        reason = accelerate_incomplete(path, processes, custom)
-        if reason is None:
-            if skipped:
-                _warn(folder, skipped, path)
-            return path
-        skipped.append(f"{name} ({reason})")
+    picked, skipped = _newest_complete_of(folder, numbered, lambda path: accelerate_incomplete(path, processes, custom))
+    if picked is not None:
+        if skipped:
+            _warn(folder, skipped, picked)
+        return picked
     if skipped:
         # Nothing passes (e.g. each node's disk holds only its own ranks' files): upstream's choice, said.
         key = (folder, "none complete", *skipped)
