@@ -17,12 +17,17 @@ DeviceMesh, FSDP2) find the group by name.
 
 Not modelled: collective performance, and the physical sharing of cores
 between processes (each process simulates its own cores).
+
+Gloo sees host aliases made in Python, which the real C++ group never makes:
+:class:`_HeldAliases` holds a C++ reference to each until gloo has let go of
+it, so that no gloo thread ever takes the GIL (see there).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -39,15 +44,75 @@ class RuntimeAlreadyInitializedError(RuntimeError):
     """The Neuron runtime was initialised before the "neuron" process group."""
 
 
-def _host(obj: Any) -> Any:
-    """Replace neuron tensors (also inside lists) by CPU aliases of their memory."""
+def _host(obj: Any, made: list[torch.Tensor]) -> Any:
+    """Replace neuron tensors (also inside lists) by CPU aliases of their memory, appending those to ``made``."""
     if isinstance(obj, torch.Tensor):
-        return torch.ops.neuron_sim.cpu_alias(obj) if obj.device.type == "neuron" else obj
+        if obj.device.type != "neuron":
+            return obj
+        alias = torch.ops.neuron_sim.cpu_alias(obj)
+        made.append(alias)
+        return alias
     if isinstance(obj, list):
-        return [_host(o) for o in obj]
+        return [_host(o, made) for o in obj]
     if isinstance(obj, tuple):
-        return tuple(_host(o) for o in obj)
+        return tuple(_host(o, made) for o in obj)
     return obj
+
+
+class _HeldAliases:
+    """The host aliases of collectives in flight, held until gloo has let go of them.
+
+    An alias is a tensor made in Python, so it has a Python object, and PyTorch
+    takes the GIL whenever such a tensor's C++ reference count falls back to one
+    (``c10/util/intrusive_ptr.h``, "PyObject preservation"). Left alone, that is
+    the gloo thread freeing the finished work; if the interpreter starts
+    finalizing while that thread waits for the GIL, CPython ends the thread inside
+    the destructor and the process aborts with "terminate called without an
+    active exception" (a 2-rank launch did, under load, in
+    ``AsyncAllgatherWork::~AsyncAllgatherWork``). So each alias gets a C++
+    reference of ours (``neuron_sim::hold``) before gloo sees it; gloo's release
+    then never brings the count to one, and ours is dropped by a thread that runs
+    Python anyway: the next collective's, or the main thread at exit. The real
+    ProcessGroupNeuron is C++ and makes no such objects. A held alias keeps its
+    device memory allocated, so each collective first drops the aliases only we
+    still use.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    @staticmethod
+    def hold(aliases: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Our C++ references to ``aliases``: take them before gloo sees the aliases, then :meth:`add` both."""
+        return [torch.ops.neuron_sim.hold(a) for a in aliases]
+
+    def add(self, aliases: list[torch.Tensor], holds: list[torch.Tensor]) -> None:
+        released = self.release_unused()
+        if aliases:
+            with self._lock:
+                self._held.append((aliases, holds))
+        del released  # freed here, outside the lock
+
+    def release_unused(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Stop holding the aliases that only this list still uses; return them for the caller to drop."""
+        kept: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        released: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        with self._lock:
+            for entry in self._held:
+                # 2: the alias's Python object and our hold; more while gloo (or a future) has it.
+                (released if all(t._use_count() == 2 for t in entry[0]) else kept).append(entry)
+            self._held = kept
+        return released
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+# One for the process: a group's aliases may outlive the group (a work or future held past
+# destroy_process_group), and must still not be dropped while gloo holds them.
+held_aliases = _HeldAliases()
 
 
 def _chunks(whole: torch.Tensor, part: torch.Tensor, world_size: int) -> list[torch.Tensor]:
@@ -75,8 +140,13 @@ class NeuronProcessGroup(torch.distributed.ProcessGroup):
         return [torch.device(BACKEND_NAME)]
 
     def _call(self, name: str, *args: Any) -> Any:
+        made: list[torch.Tensor] = []
         with torch.no_grad():
-            return getattr(self._inner, name)(*(_host(a) for a in args))
+            host_args = [_host(a, made) for a in args]
+            holds = held_aliases.hold(made)
+            work = getattr(self._inner, name)(*host_args)
+        held_aliases.add(made, holds)
+        return work
 
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else torch.distributed.AllreduceOptions()

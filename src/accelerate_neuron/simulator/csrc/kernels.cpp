@@ -260,6 +260,31 @@ at::Tensor cpu_alias_op(const at::Tensor& self) {
   return cpu_alias(self);
 }
 
+// A tensor of no elements holding a C++ reference to `t` for as long as it
+// lives. A tensor with a Python object takes the GIL whenever its C++ reference
+// count falls back to one; held, a gloo thread letting go of `t` never does
+// (distributed.py, _HeldAliases).
+struct HoldContext {
+  at::Tensor held;
+};
+
+void release_hold(void* ctx) {
+  delete static_cast<HoldContext*>(ctx);
+}
+
+at::Tensor hold_op(const at::Tensor& t) {
+  c10::Storage storage(
+      c10::Storage::use_byte_size_t(),
+      0,
+      c10::DataPtr(nullptr, new HoldContext{t}, &release_hold, c10::Device(c10::DeviceType::CPU)),
+      /*allocator=*/nullptr,
+      /*resizable=*/false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), caffe2::TypeMeta::Make<uint8_t>());
+  impl->set_sizes_contiguous({0});
+  return at::Tensor(std::move(impl));
+}
+
 // ------------------------------------------------------------ fallback
 
 bool is_optional_tensor_list(const c10::TypePtr& type) {
@@ -625,10 +650,15 @@ NonFunctionalOverride* g_non_functional_override = new NonFunctionalOverride();
 
 TORCH_LIBRARY(neuron_sim, m) {
   m.def("cpu_alias(Tensor(a) self) -> Tensor(a)");
+  m.def("hold(Tensor t) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(neuron_sim, PrivateUse1, m) {
   m.impl("cpu_alias", TORCH_FN(cpu_alias_op));
+}
+
+TORCH_LIBRARY_IMPL(neuron_sim, CPU, m) {
+  m.impl("hold", TORCH_FN(hold_op));
 }
 
 } // namespace nsim
