@@ -36,5 +36,7 @@ def test_a_collective_that_finishes_while_a_rank_exits_does_not_abort_it(tmp_pat
         # The 256 KiB of the first all_reduce are given back; only the live tensor remains.
         assert report["after"] - report["baseline"] == report["small_bytes"], report
         assert report["given_back_after"] is not None, report  # within 20 collectives
-        # Held are at most the collectives gloo's thread has not finished freeing, not one per call.
-        assert report["held_after_100"] <= 2, report
+        # Held are the collectives gloo's threads have not finished freeing, not one per call: only the newest
+        # once they caught up.
+        assert report["held_after_100"] <= 10, report
+        assert report["held_settled"] <= 1, report

@@ -78,18 +78,21 @@ class _HeldAliases:
     still use.
     """
 
+    # Without Tensor._use_count (private; torch 2.13 has it) nothing could tell when gloo let go:
+    # gloo's thread then frees the aliases itself, as before.
+    enabled = hasattr(torch.Tensor, "_use_count")
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
-    @staticmethod
-    def hold(aliases: list[torch.Tensor]) -> list[torch.Tensor]:
+    def hold(self, aliases: list[torch.Tensor]) -> list[torch.Tensor]:
         """Our C++ references to ``aliases``: take them before gloo sees the aliases, then :meth:`add` both."""
-        return [torch.ops.neuron_sim.hold(a) for a in aliases]
+        return [torch.ops.neuron_sim.hold(a) for a in aliases] if self.enabled else []
 
     def add(self, aliases: list[torch.Tensor], holds: list[torch.Tensor]) -> None:
         released = self.release_unused()
-        if aliases:
+        if holds:
             with self._lock:
                 self._held.append((aliases, holds))
         del released  # freed here, outside the lock
