@@ -46,12 +46,13 @@ big = torch.ones(1 << 16, device=device)  # 256 KiB
 dist.all_reduce(big)
 del big
 small = torch.ones(4, device=device)
+small_bytes = small.numel() * small.element_size()
 # gloo's thread frees the work a moment after wait() returns; a collective after that gives the bytes back.
 # Every rank runs the same collectives (a rank that stopped early would leave its peer waiting in one).
 given_back_after = None
 for collectives_after in range(1, 21):
     dist.all_reduce(small)
-    if given_back_after is None and torch.neuron.memory_allocated() - baseline == small.numel() * small.element_size():
+    if given_back_after is None and torch.neuron.memory_allocated() - baseline == small_bytes:
         given_back_after = collectives_after
     time.sleep(0.01)
 for _ in range(100):
@@ -67,7 +68,7 @@ for _ in range(20):
 report = {
     "baseline": baseline,
     "after": torch.neuron.memory_allocated(),
-    "small_bytes": small.numel() * small.element_size(),
+    "small_bytes": small_bytes,
     "given_back_after": given_back_after,
     "held_after_100": held_after_100,
     "held_settled": held_settled,
