@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import accelerate_neuron
-from accelerate_neuron import activation, simulator
+from accelerate_neuron import activation, logs, simulator
 from accelerate_neuron.simulator import neff_cache
 
 
@@ -53,6 +53,12 @@ def _simulated_device() -> None:
         "the test session expects the simulated device (ACCELERATE_NEURON_SIMULATE=2); "
         f"status: {accelerate_neuron.status()}"
     )
+
+
+@pytest.fixture(autouse=True)
+def _nothing_said_yet() -> None:
+    """Warnings said once per process are said again in each test (each test asserts what it hears)."""
+    logs.forget()
 
 
 @pytest.fixture(autouse=True)

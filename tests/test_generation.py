@@ -139,7 +139,6 @@ def test_bucketing_ten_lengths_share_at_most_three_graphs(sim, reference, tok, m
 
 def test_static_cache_is_the_default_on_neuron_with_opt_outs(sim, model, tok, monkeypatch, caplog):
     enc = on(model.device, tok([PROMPT], return_tensors="pt"))
-    monkeypatch.setattr(gcache, "_announced", False)
     with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
         out = model.generate(**enc, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
         model.generate(**enc, max_new_tokens=5, do_sample=False)
@@ -347,7 +346,6 @@ def test_model_split_across_cores_decodes_eagerly_with_flat_shapes(sim, referenc
     split = dispatch_model(tiny.model("qwen3", **QWEN), device_map)
     assert {p.device.index for p in split.parameters()} == {0, 1}
     enc = tok([PROMPT], return_tensors="pt")
-    monkeypatch.setattr(gcache, "_warned_split", False)
     with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
         split.generate(**on(split.device, enc), max_new_tokens=2, do_sample=False)
     assert any("several Neuron cores" in r.getMessage() for r in caplog.records)

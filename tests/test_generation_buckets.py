@@ -19,8 +19,8 @@ import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from accelerate_neuron import hookimpl, plugins, simulator, tiny
-from accelerate_neuron.builtin.generation import bucketing, shapes
 from accelerate_neuron.builtin.generation import cache as gcache
+from accelerate_neuron.builtin.generation import shapes
 from test_generation import QWEN, T5, _clean_dynamo, model, on, reference, tok  # noqa: F401 - shared fixtures
 
 WORDS = tiny.CORPUS.split()
@@ -225,7 +225,6 @@ def test_encoder_decoder_buckets_the_encoder_length(sim, tok):
 
 def test_prompt_beyond_the_largest_bucket_runs_unpadded_with_one_warning(sim, model, reference, tok, monkeypatch):
     monkeypatch.setenv(shapes.PROMPT_BUCKETS_ENV, "32")
-    monkeypatch.setattr(shapes, "_warned_beyond", set())
     enc = tok([prompt(40)], return_tensors="pt")
     length = enc["input_ids"].shape[1]
     assert length > 32
@@ -247,7 +246,6 @@ def test_prompt_beyond_the_largest_bucket_runs_unpadded_with_one_warning(sim, mo
 def test_opt_out_and_announcement(sim, tok, monkeypatch, caplog):
     torch._dynamo.reset()
     fresh = tiny.model("qwen3", **QWEN).to("neuron")
-    monkeypatch.setattr(bucketing, "_announced", False)
     enc = tok([prompt(5)], return_tensors="pt")
     with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
         fresh.generate(**on(fresh.device, enc), do_sample=False, max_new_tokens=3)

@@ -17,7 +17,6 @@ import transformers
 from accelerate.utils import modeling as acc_modeling
 
 from accelerate_neuron import device, hookimpl, patching, plugins, tiny
-from accelerate_neuron.builtin.placement import memory as _placement_memory
 from accelerate_neuron.builtin.placement.memory import PlacementError
 
 FAMILIES = ("qwen3", "llama")
@@ -163,7 +162,6 @@ def test_bad_max_memory_names_the_key_or_value(max_memory: dict, named: str) -> 
 def test_planning_with_invisible_cores_is_as_permissive_as_upstream(caplog: pytest.LogCaptureFixture) -> None:
     # Upstream's get_max_memory only converts sizes (and warns) for an accelerator index it cannot see: a plan
     # may be made for another host. Placing is where an invisible core is refused (tests below).
-    _placement_memory._warned.discard("invisible core 2")
     with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
         assert accelerate.utils.get_max_memory({0: 200, "neuron:2": "1KB"}) == {0: 200, 2: 1000}
         accelerate.utils.get_max_memory({2: 200})
@@ -251,7 +249,6 @@ def test_budget_uses_mem_get_info_where_the_build_has_it(monkeypatch: pytest.Mon
 def test_bad_budget_hook_falls_back_with_a_warning(
     budget_plugin, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_placement_memory, "_warned", set())  # the warning is once per process
     budget_plugin(-1)
     with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
         found = accelerate.utils.get_max_memory()

@@ -1,6 +1,6 @@
 """Activation: what happens on ``import torch`` (entry point) or ``import accelerate_neuron``.
 
-On a machine without Neuron this reads a few environment variables, looks for
+On a machine without Neuron this reads a few settings, looks for
 ``torch_neuronx`` on the path and stops: nothing is imported, nothing patched.
 With a Neuron device (real, or simulated on request) it loads the plugins and
 schedules their patches for the moment transformers / accelerate are imported.
@@ -18,10 +18,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("accelerate_neuron")
+from . import settings
 
-SIMULATE_ENV = "ACCELERATE_NEURON_SIMULATE"
-SIM_HBM_ENV = "ACCELERATE_NEURON_SIM_HBM"
+logger = logging.getLogger(__name__)
+
+SIMULATE_ENV = settings.env_name("simulate")
+SIM_HBM_ENV = settings.env_name("sim_hbm")
 
 # lru_cached upstream Neuron checks: a call made before the backend registered
 # would otherwise answer "no Neuron" for the rest of the process.
@@ -76,12 +78,13 @@ def activate(source: str = "import accelerate_neuron") -> ActivationState:
 
 
 def _activate() -> None:
-    if os.environ.get("ACCELERATE_NEURON_TEST_RAISE_IN_ACTIVATION"):
-        raise RuntimeError("raised on request (ACCELERATE_NEURON_TEST_RAISE_IN_ACTIVATION)")
+    if settings.get_quietly("test_raise_in_activation"):
+        raise RuntimeError(f"raised on request ({settings.env_name('test_raise_in_activation')})")
     import torch  # noqa: F401 - already importing when called from the entry point
 
-    from . import device
-    from .plugins import disable_setting
+    from . import device, logs
+
+    logs.apply_level()
 
     # A device registered later (simulator.install()) is announced through device.py: the
     # simulator need not know this module exists.
@@ -92,12 +95,14 @@ def _activate() -> None:
     if _state.neuron is None:
         _state.inert_reason = "no Neuron device (real or simulated): nothing is patched"
         return
-    setting = disable_setting()
+    try:
+        disable = settings.resolve("disable")
+    except ValueError as exc:  # cannot happen today (every text names plugins); never break the import
+        logger.warning("accelerate_neuron: %s; every plugin stays on", exc)
+        disable = settings.Value(settings.setting("disable").default, "default")
     _guard_xla()
-    if setting.all:
-        _state.inert_reason = (
-            f"{os.environ.get('ACCELERATE_NEURON_DISABLE')!r} in ACCELERATE_NEURON_DISABLE: no patch applied"
-        )
+    if disable.value.all:
+        _state.inert_reason = f"{disable.describe()}: no patch applied"
         return
     refresh_upstream_gates()
     _schedule_patches()
@@ -116,15 +121,12 @@ def _load_real_backend() -> None:
 
 
 def _maybe_simulate() -> None:
-    value = os.environ.get(SIMULATE_ENV, "").strip()
-    if value in ("", "0"):
+    try:
+        cores = settings.get("simulate")
+    except ValueError as exc:
+        logger.warning("accelerate_neuron: ignoring %s", exc)
         return
-    if not value.isdigit():
-        logger.warning(
-            "accelerate_neuron: ignoring %s=%r: expected a number of simulated Neuron cores, e.g. 2",
-            SIMULATE_ENV,
-            value,
-        )
+    if not cores:
         return
     from . import device, simulator
 
@@ -132,8 +134,8 @@ def _maybe_simulate() -> None:
         logger.warning("accelerate_neuron: %s ignored: a real Neuron device is present", SIMULATE_ENV)
         return
     try:
-        simulator.install(cores=int(value), hbm=os.environ.get(SIM_HBM_ENV) or simulator.DEFAULT_HBM)
-        _state.actions.append(f"simulated Neuron device installed ({SIMULATE_ENV}={value})")
+        simulator.install(cores=cores, hbm=settings.get("sim_hbm"))
+        _state.actions.append(f"simulated Neuron device installed ({SIMULATE_ENV}={cores})")
         from .simulator import report  # `accelerate-neuron simulate`: per-process dry-run record at exit
 
         report.install_from_env()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 DEVICE_TYPE = "neuron"
 Kind = Literal["real", "simulated"]

@@ -73,7 +73,9 @@ def neuron_static_cache_length(requested: int, max_position_embeddings: int | No
     """The static KV-cache length to allocate when generation asks for ``requested``.
 
     The built-in answer rounds up to a bucket (powers of two), so different
-    prompt lengths and ``max_new_tokens`` reuse a few compiled graphs.
+    prompt lengths and ``max_new_tokens`` reuse a few compiled graphs. Not
+    asked when the user set the ``cache_buckets`` setting
+    (``ACCELERATE_NEURON_CACHE_BUCKETS``): their choice wins.
     """
 
 
@@ -87,8 +89,9 @@ def neuron_generation_shape_policy(max_position_embeddings: int | None) -> dict[
     dummy rows); an empty list turns that bucketing off, a missing key keeps the
     built-in default: powers of two from 32 up to ``max_position_embeddings``
     (8192 if unknown), batches 1, 2, 4, ... 256. Results are always the
-    unpadded call's. ``ACCELERATE_NEURON_PROMPT_BUCKETS`` /
-    ``ACCELERATE_NEURON_BATCH_BUCKETS`` override any plugin.
+    unpadded call's. The ``prompt_buckets`` / ``batch_buckets`` settings
+    (``ACCELERATE_NEURON_PROMPT_BUCKETS`` / ``..._BATCH_BUCKETS``) the user set
+    win over any plugin; ``"pow2"`` and ``"off"`` are accepted as for them.
     """
 
 
@@ -103,6 +106,6 @@ def neuron_training_shape_policy(max_length: int | None) -> dict[str, Any] | Non
     ``dataloader_drop_last``), ``"pad_values"`` (batch key -> pad value, for
     keys beyond ``input_ids``/``attention_mask``/``labels``/...). Missing keys
     keep the built-in default: powers of two from 64 up to ``max_length``,
-    ``drop_last=True``. ``ACCELERATE_NEURON_TRAIN_BUCKETS`` overrides the
-    buckets of any plugin.
+    ``drop_last=True``. The ``train_buckets`` setting the user set
+    (``ACCELERATE_NEURON_TRAIN_BUCKETS``) overrides the buckets of any plugin.
     """

@@ -15,7 +15,7 @@ import threading
 import types
 from collections.abc import Callable
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 Callback = Callable[[types.ModuleType], None]
 

@@ -25,7 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("accelerate_neuron")
+from .records import as_dict
+
+logger = logging.getLogger(__name__)
 
 _MISSING = object()
 MARKER = "__accelerate_neuron_patch__"
@@ -78,16 +80,7 @@ class PatchRecord:
     _undo: list[tuple[Any, str, Any]] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "target": self.target,
-            "plugin": self.plugin,
-            "status": self.status,
-            "reason": self.reason,
-            "lacking": self.lacking,
-            "detail": self.detail,
-            "aliases": list(self.aliases),
-        }
+        return as_dict(self)
 
 
 _lock = threading.RLock()

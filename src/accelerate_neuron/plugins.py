@@ -1,8 +1,9 @@
 """The pluggy plugin manager: built-in features and third-party plugins alike.
 
-``ACCELERATE_NEURON_DISABLE``: ``1`` / ``all`` turns every patch off;
-``placement,generation`` skips those plugins (built-in or third-party entry
-point names). Unknown names are reported once with the valid ones.
+The ``disable`` setting (``ACCELERATE_NEURON_DISABLE``): ``1`` / ``all`` turns
+every patch off; ``placement,generation`` skips those plugins (built-in or
+third-party entry point names). Unknown names are reported once with the valid
+ones.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,13 +19,14 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
+from . import hookspecs, settings
+from .records import as_dict
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 PROJECT = "accelerate_neuron"
 ENTRY_POINT_GROUP = "accelerate_neuron"
-DISABLE_ENV = "ACCELERATE_NEURON_DISABLE"
+DISABLE_ENV = settings.env_name("disable")
 
 #: Built-in plugins, in registration order: name -> module.
 BUILTIN_PLUGINS: dict[str, str] = {
@@ -46,30 +47,12 @@ class PluginInfo:
     module: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "active": self.active,
-            "detail": self.detail,
-            "module": self.module,
-        }
+        return as_dict(self)
 
 
-@dataclass(frozen=True)
-class DisableSetting:
-    all: bool
-    names: frozenset[str]
-
-
-def disable_setting(value: str | None = None) -> DisableSetting:
-    """Parse ``ACCELERATE_NEURON_DISABLE``."""
-    raw = os.environ.get(DISABLE_ENV, "") if value is None else value
-    text = raw.strip().lower()
-    if text in ("1", "all", "true", "yes"):
-        return DisableSetting(True, frozenset())
-    if text in ("", "0", "false", "no", "none"):
-        return DisableSetting(False, frozenset())
-    return DisableSetting(False, frozenset(n.strip() for n in text.split(",") if n.strip()))
+def disable_setting() -> settings.Plugins:
+    """The ``disable`` setting: every plugin off, or the names to skip."""
+    return settings.get("disable")
 
 
 class _Manager:
@@ -80,7 +63,7 @@ class _Manager:
         self.third_party: list[object] = []
         self.warned: set[str] = set()
 
-    def load(self, setting: DisableSetting) -> None:
+    def load(self, setting: settings.Plugins) -> None:
         for name, module_name in BUILTIN_PLUGINS.items():
             if setting.all or name in setting.names:
                 self.infos[name] = PluginInfo(name, "builtin", False, f"disabled by {DISABLE_ENV}", module_name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .records import as_dict
+
 
 @dataclass
 class Status:
@@ -30,19 +32,7 @@ class Status:
         return [p for p in self.patches if p["status"] == "skipped"]
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "neuron": self.neuron,
-            "devices": self.devices,
-            "active": self.active,
-            "activated_by": self.activated_by,
-            "inert_reason": self.inert_reason,
-            "error": self.error,
-            "plugins": self.plugins,
-            "patches": self.patches,
-            "actions": self.actions,
-            "activation_seconds": self.activation_seconds,
-        }
+        return as_dict(self, "active")
 
     def __str__(self) -> str:
         return self.report()

@@ -195,33 +195,40 @@ def fp16(facts: Facts) -> list[Problem]:
 
 
 def settings(facts: Facts) -> list[Problem]:
+    from .. import settings as registry
+
     out = []
-    simulate = os.environ.get("ACCELERATE_NEURON_SIMULATE", "").strip()
-    if simulate and simulate != "0" and not simulate.isdigit():
+    values = {s["name"]: s for s in facts.get("accelerate_neuron_settings", [])}
+    for row in values.values():
+        if row["error"]:
+            fix = f"fix {row['variable']} or unset it" if row["source"] == "environment" else f"fix {row['source']}"
+            out.append(_problem("warning", row["error"], f"{fix}; `accelerate-neuron env -v` lists every setting"))
+    for name in registry.unknown_variables():
         out.append(
             _problem(
                 "warning",
-                f"ACCELERATE_NEURON_SIMULATE={simulate!r} is ignored: it takes a number of cores",
-                "export ACCELERATE_NEURON_SIMULATE=4 (or unset it)",
+                f"{name} is set but names no accelerate-neuron setting: it has no effect",
+                "check the spelling against the settings reference (`accelerate-neuron env -v` lists them)",
             )
         )
-    elif simulate.isdigit() and simulate != "0" and facts["device"]["kind"] == "real":
+    simulate = values.get("simulate")
+    if simulate and not simulate["error"] and simulate["value"] and facts["device"]["kind"] == "real":
         out.append(
             _problem(
                 "warning",
-                "ACCELERATE_NEURON_SIMULATE is set on a host with real Neuron cores: it is ignored",
-                "unset ACCELERATE_NEURON_SIMULATE",
+                f"{simulate['variable']} is set on a host with real Neuron cores: it is ignored",
+                f"unset {simulate['variable']}",
             )
         )
     known = {p["name"] for p in facts["status"].get("plugins", [])}
-    disable = os.environ.get("ACCELERATE_NEURON_DISABLE", "").strip().lower()
-    if known and disable and disable not in ("0", "1", "all", "true", "yes", "false", "no", "none"):
-        unknown = sorted({n.strip() for n in disable.split(",") if n.strip()} - known)
+    disable = values.get("disable")
+    if known and disable and not disable["error"]:
+        unknown = sorted(disable["value"].names - known)
         if unknown:
             out.append(
                 _problem(
                     "warning",
-                    f"ACCELERATE_NEURON_DISABLE names unknown plugin(s): {', '.join(unknown)}",
+                    f"{disable['variable']} names unknown plugin(s): {', '.join(unknown)}",
                     f"use names from: {', '.join(sorted(known))} (or 1/all to apply no patch)",
                 )
             )

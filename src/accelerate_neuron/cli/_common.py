@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .. import costs, settings
 from ..sizes import format_size, parse_size
 
 #: Upper bound of ``--cores``: the simulator's own limit.
@@ -24,25 +25,25 @@ class CliError(Exception):
         self.code = code
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number; expected a positive integer, e.g. 4"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; expected a positive integer, e.g. 4")
-    return value
+def counting(what: str, most: int | None = None, too_many: str = "") -> Callable[[str], int]:
+    """argparse type: a whole number from 1 (to ``most``); ``what`` names it in errors, ``too_many`` says why."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; expected {what}, e.g. 4") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed; expected {what}, e.g. 4")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{value} is too many; {too_many or f'at most {most}'}")
+        return value
+
+    return parse
 
 
-def core_count(text: str) -> int:
-    """argparse type: a number of simulated cores, 1..MAX_SIM_CORES."""
-    value = positive_int(text)
-    if value > MAX_SIM_CORES:
-        raise argparse.ArgumentTypeError(f"{value} is too many; the simulator models 1 to {MAX_SIM_CORES} cores")
-    return value
+positive_int = counting("a positive integer")
+core_count = counting("a positive integer", MAX_SIM_CORES, f"the simulator models 1 to {MAX_SIM_CORES} cores")
 
 
 def memory_size(text: str) -> str:
@@ -65,6 +66,44 @@ def non_negative_seconds(text: str) -> float:
     if not value >= 0 or value == float("inf"):  # also rejects NaN
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed; expected a finite number of seconds >= 0")
     return value
+
+
+#: Simulated memory per core by default: a trn2 logical core at LNC=2.
+DEFAULT_HBM = settings.setting("sim_hbm").default
+
+
+def add_device_options(parser: argparse.ArgumentParser, *, cores: int, cores_help: str) -> None:
+    """``--cores`` and ``--hbm``: the simulated device a command starts when there is no Trainium."""
+    parser.add_argument("--cores", type=core_count, default=cores, metavar="N", help=f"{cores_help} (default {cores})")
+    parser.add_argument(
+        "--hbm",
+        type=memory_size,
+        default=DEFAULT_HBM,
+        metavar="SIZE",
+        help=f"simulated memory per core, e.g. 24GiB, 16GiB, 512MiB (default {DEFAULT_HBM}); GB=10^9, GiB=2^30",
+    )
+
+
+def add_cost_options(parser: argparse.ArgumentParser) -> None:
+    """``--compile-seconds`` and ``--eager-seconds``: the cost model a command prices compiles with."""
+    parser.add_argument(
+        "--compile-seconds",
+        type=non_negative_seconds,
+        default=costs.SECONDS_PER_GRAPH,
+        metavar="S",
+        help=f"assumed neuronx-cc time per compiled graph (default {costs.SECONDS_PER_GRAPH:g})",
+    )
+    parser.add_argument(
+        "--eager-seconds",
+        type=non_negative_seconds,
+        default=costs.SECONDS_PER_EAGER_SIGNATURE,
+        metavar="S",
+        help=f"assumed compile time per eager op signature (default {costs.SECONDS_PER_EAGER_SIGNATURE:g})",
+    )
+
+
+def add_json_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--json", action="store_true", help=f"print {what} as one JSON line (stdout) instead of text")
 
 
 class Progress:

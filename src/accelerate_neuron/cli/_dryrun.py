@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import _costs
+from .. import costs
 
 #: How many entries of each list the report keeps.
 TOP_CAUSES = 5
@@ -369,7 +369,7 @@ def build_report(
     processes = []
     for r in active:
         st = r.get("stats", {})
-        est = _costs.estimate(
+        est = costs.estimate(
             int(st.get("compiles", 0)),
             _eager_compiles(st),
             seconds_per_graph,
@@ -399,7 +399,7 @@ def build_report(
         )
     graphs, distinct_graphs = _graph_list(active)
     slowest = max(processes, key=lambda p: p["estimated_compile_seconds"], default=None)
-    estimate = _costs.estimate(
+    estimate = costs.estimate(
         slowest["compiles"] if slowest else 0,
         slowest["eager_compiles"] if slowest else 0,
         seconds_per_graph,

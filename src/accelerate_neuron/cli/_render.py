@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _costs
+from .. import costs
 from ._common import duration, plural, size
 
 MAX_PLACEMENT_LINES = 12
@@ -169,9 +169,9 @@ def _estimate(report: dict[str, Any]) -> list[str]:
         *_section("Estimated compile time on Trainium"),
         f"  this run:     ~{duration(est['seconds'])}{who}",
         f"  cold cache:   ~{duration(est['cold_seconds'])}; the NEFF cache saved ~{duration(est['saved_seconds'])} "
-        f"({_costs.describe_cache(report.get('compile_cache_hits', 0), report['eager'].get('cache_hits', 0))}"
+        f"({costs.describe_cache(report.get('compile_cache_hits', 0), report['eager'].get('cache_hits', 0))}"
         f"{'; a process loading what another is compiling waits for it' if who else ''})",
-        f"  assumes {_costs.describe(est)} compiled, 0 s per NEFF loaded from the cache "
+        f"  assumes {costs.describe(est)} compiled, 0 s per NEFF loaded from the cache "
         "(change with --compile-seconds / --eager-seconds)",
         f"  {cache_line(report.get('compile_cache'))} (TORCH_NEURONX_NEFF_CACHE_DIR moves it)",
     ]

@@ -20,8 +20,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from . import _costs
-from ._common import CliError, Progress, core_count, duration, memory_size, plural, positive_int, print_json, size
+from .. import costs
+from ._common import (
+    CliError,
+    Progress,
+    add_device_options,
+    add_json_option,
+    duration,
+    plural,
+    positive_int,
+    print_json,
+    size,
+)
 from ._render import cache_line, placement_lines
 
 DEFAULT_PROMPT = "the neuron core"
@@ -30,7 +40,6 @@ DEFAULT_NEW_TOKENS = 16
 #: trn2 chip (LNC=2); "auto" keeps a model that fits on one core there, "balanced" spreads it.
 DEFAULT_CORES = 1
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
-DEFAULT_HBM = "24GiB"
 
 DESCRIPTION = """\
 Load a small causal LM with from_pretrained(device_map="auto"), generate from
@@ -84,21 +93,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the device_map strategy given to from_pretrained (default auto: the fewest cores that hold "
         "the model; balanced: spread over every core)",
     )
-    p.add_argument(
-        "--cores",
-        type=core_count,
-        default=DEFAULT_CORES,
-        metavar="N",
-        help=f"simulated cores when there is no Trainium (default {DEFAULT_CORES}; 4 = one trn2 chip at LNC=2)",
-    )
-    p.add_argument(
-        "--hbm",
-        type=memory_size,
-        default=DEFAULT_HBM,
-        metavar="SIZE",
-        help=f"simulated memory per core (default {DEFAULT_HBM})",
-    )
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line (stdout) instead of text")
+    add_device_options(p, cores=DEFAULT_CORES, cores_help="simulated cores without Trainium (4 = one trn2 chip)")
+    add_json_option(p, "the result")
     p.set_defaults(run=run, parser=p)
 
 
@@ -265,7 +261,7 @@ def _render(result: dict[str, Any]) -> str:
             f"            second call: {second['compiles']} new graph(s), {second['eager_signatures']} new signature(s)"
         )
         est = result["estimate"]
-        lines.append(f"            on Trainium: ~{duration(est['seconds'])} of compiling ({_costs.describe(est)})")
+        lines.append(f"            on Trainium: ~{duration(est['seconds'])} of compiling ({costs.describe(est)})")
         again = "" if est["saved_seconds"] else "; run the demo again for a warm start"
         lines.append(
             f"            cold cache ~{duration(est['cold_seconds'])}: the NEFF cache saved "
@@ -309,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         from .. import simulator
 
         first = result["first_generate"]
-        result["estimate"] = _costs.estimate(
+        result["estimate"] = costs.estimate(
             first["compiles"],
             first["eager_compiles"],
             cached_graphs=first["compile_cache_hits"],

@@ -42,7 +42,7 @@ KEY_SETTINGS = {
     "TORCH_NEURONX_DEBUG_DIR": "unset (/tmp/neuron_backend)",
     "HF_DEACTIVATE_ASYNC_LOAD": "unset",
 }
-_SHOWN_PREFIXES = ("NEURON_", "TORCH_NEURONX_", "ACCELERATE_NEURON_")
+_SHOWN_PREFIXES = ("NEURON_", "TORCH_NEURONX_")
 _STATE_ORDER = ("applied", "skipped", "absent", "pending", "reverted")
 _SHOWN_NAMES = ("USE_TORCH_XLA", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND")
 
@@ -158,6 +158,36 @@ def _settings() -> dict[str, str | None]:
         if name.startswith(_SHOWN_PREFIXES) or name in _SHOWN_NAMES:
             shown.setdefault(name, value)
     return shown
+
+
+def _plugin_settings() -> list[dict[str, Any]]:
+    """Every accelerate-neuron setting: its value in force, where it came from, and an error if it is bad."""
+    from .. import settings
+
+    rows = []
+    for item, chosen, error in settings.effective():
+        given = settings.raw(item.name)
+        rows.append(
+            {
+                "name": item.name,
+                "variable": item.env,
+                "value": chosen.value if chosen is not None else (given[0] if given else item.default),
+                "source": given[1] if given else "default",
+                "default": item.shown_default,
+                "error": error or None,
+            }
+        )
+    return rows
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple) and value and all(isinstance(v, int) for v in value):
+        return ",".join(map(str, value))
+    if value == ():
+        return "off"
+    if hasattr(value, "names"):  # the disable setting
+        return "all" if value.all else ",".join(sorted(value.names)) or "none"
+    return str(value)
 
 
 def _cache(kind: str | None) -> dict[str, Any]:
@@ -301,6 +331,7 @@ def collect(init: bool = True, progress: Progress | None = None) -> dict[str, An
         "torch_neuronx": probe,
         "device": _device(kind, init),
         "settings": _settings(),
+        "accelerate_neuron_settings": _plugin_settings(),
         "compile_cache": _cache(kind),
         "launch": _launch_config(),
         "transformers_async_load": _transformers_async_load(),
@@ -378,6 +409,13 @@ def render(facts: dict[str, Any], verbose: bool = False) -> str:
     lines += ["", *_device_lines(facts), "", "Settings"]
     for name, value in facts["settings"].items():
         lines.append(f"  {name:<30} {value if value is not None else KEY_SETTINGS.get(name, 'unset')}")
+    chosen = [s for s in facts["accelerate_neuron_settings"] if s["source"] != "default" or s["error"]]
+    lines += ["", "accelerate-neuron settings" + ("" if chosen else ": all at their defaults (-v lists them)")]
+    for s in facts["accelerate_neuron_settings"]:
+        if s in chosen or verbose:
+            where = f"{s['source']}, invalid" if s["error"] else s["source"]
+            shown = s["default"].replace("`", "") if s["source"] == "default" and not s["error"] else _shown(s["value"])
+            lines.append(f"  {s['variable']:<42} {shown} ({where})")
     lines += ["", *_cache_lines(facts["compile_cache"])]
     lines += ["", *_status_lines(facts["status"], verbose)]
     for failure in facts["import_failures"]:

@@ -14,11 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .. import costs
-from ._common import CliError, core_count, duration, memory_size, non_negative_seconds, plural, print_json
+from .. import costs, settings
+from ._common import (
+    CliError,
+    add_cost_options,
+    add_device_options,
+    add_json_option,
+    counting,
+    duration,
+    plural,
+    print_json,
+)
 
 DEFAULT_CORES = 4
-DEFAULT_HBM = "24GiB"
 #: More workers than this only multiply the host memory each one needs for its copy of the model.
 MAX_JOBS = 64
 _LOG_TAIL = 60
@@ -63,19 +71,7 @@ def default_jobs() -> int:
     return max(1, min(cpus, 8))
 
 
-def job_count(text: str) -> int:
-    """argparse type: a number of worker processes, 1..MAX_JOBS."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number; expected a number of worker processes from 1 to {MAX_JOBS}, e.g. 2"
-        ) from None
-    if not 1 <= value <= MAX_JOBS:
-        raise argparse.ArgumentTypeError(
-            f"{value} is not allowed; expected a number of worker processes from 1 to {MAX_JOBS}"
-        )
-    return value
+job_count = counting(f"a number of worker processes from 1 to {MAX_JOBS}", MAX_JOBS, f"at most {MAX_JOBS} workers")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -94,35 +90,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help=f"worker processes compiling in parallel (default: the CPUs available, at most 8; here {default_jobs()})",
     )
-    p.add_argument(
-        "--cores",
-        type=core_count,
-        default=DEFAULT_CORES,
-        metavar="N",
-        help=f"simulated NeuronCores per worker when there is no Trainium (default {DEFAULT_CORES})",
-    )
-    p.add_argument(
-        "--hbm",
-        type=memory_size,
-        default=DEFAULT_HBM,
-        metavar="SIZE",
-        help=f"simulated memory per core (default {DEFAULT_HBM})",
-    )
-    p.add_argument(
-        "--compile-seconds",
-        type=non_negative_seconds,
-        default=costs.SECONDS_PER_GRAPH,
-        metavar="S",
-        help=f"assumed neuronx-cc time per graph, for the ETA and the summary (default {costs.SECONDS_PER_GRAPH:g})",
-    )
-    p.add_argument(
-        "--eager-seconds",
-        type=non_negative_seconds,
-        default=costs.SECONDS_PER_EAGER_SIGNATURE,
-        metavar="S",
-        help=f"assumed compile time per eager op signature (default {costs.SECONDS_PER_EAGER_SIGNATURE:g})",
-    )
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON line (stdout)")
+    add_device_options(p, cores=DEFAULT_CORES, cores_help="simulated NeuronCores per worker when there is no Trainium")
+    add_cost_options(p)
+    add_json_option(p, "the summary")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to warm up")
     p.set_defaults(run=run, parser=p)
 
@@ -234,20 +204,15 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def _worker_env(args: argparse.Namespace, shard: int, jobs: int, folder: Path, simulated: bool) -> dict[str, str]:
-    from ..builtin.warmup.session import PRECOMPILE_ENV, PROGRESS_ENV, SCRATCH_ENV
-
     env = dict(os.environ)
-    env[PRECOMPILE_ENV] = f"{shard}/{jobs}"
-    env[PROGRESS_ENV] = str(folder / "progress.jsonl")
-    env[SCRATCH_ENV] = str(folder / "scratch")
+    env[settings.env_name("precompile")] = f"{shard}/{jobs}"
+    env[settings.env_name("precompile_progress")] = str(folder / "progress.jsonl")
+    env[settings.env_name("precompile_scratch")] = str(folder / "scratch")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if simulated:
-        from ..activation import SIM_HBM_ENV, SIMULATE_ENV
-        from ..simulator.report import REPORT_DIR_ENV
-
-        env[SIMULATE_ENV] = str(args.cores)
-        env[SIM_HBM_ENV] = args.hbm
-        env[REPORT_DIR_ENV] = str(folder / "records")
+        env[settings.env_name("simulate")] = str(args.cores)
+        env[settings.env_name("sim_hbm")] = args.hbm
+        env[settings.env_name("report_dir")] = str(folder / "records")
     return env
 
 

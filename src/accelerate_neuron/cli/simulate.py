@@ -9,11 +9,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import _costs
-from ._common import CliError, core_count, memory_size, non_negative_seconds, print_json
+from .. import settings
+from ._common import CliError, add_cost_options, add_device_options, add_json_option, print_json
 
 DEFAULT_CORES = 4
-DEFAULT_HBM = "24GiB"
 
 DESCRIPTION = """\
 Run CMD with a simulated Neuron device in every Python process it starts (a
@@ -47,47 +46,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--cores",
-        type=core_count,
-        default=DEFAULT_CORES,
-        metavar="N",
-        help=f"simulated NeuronCores (default {DEFAULT_CORES}: one trn2 chip at LNC=2)",
-    )
-    p.add_argument(
-        "--hbm",
-        type=memory_size,
-        default=DEFAULT_HBM,
-        metavar="SIZE",
-        help=f"memory per core, e.g. 24GiB, 16GiB, 512MiB (default {DEFAULT_HBM}); GB=10^9, GiB=2^30",
-    )
-    p.add_argument(
-        "--compile-seconds",
-        type=non_negative_seconds,
-        default=_costs.SECONDS_PER_GRAPH,
-        metavar="S",
-        help=f"assumed neuronx-cc time per compiled graph (default {_costs.SECONDS_PER_GRAPH:g})",
-    )
-    p.add_argument(
-        "--eager-seconds",
-        type=non_negative_seconds,
-        default=_costs.SECONDS_PER_EAGER_SIGNATURE,
-        metavar="S",
-        help=f"assumed compile time per eager op signature (default {_costs.SECONDS_PER_EAGER_SIGNATURE:g})",
-    )
-    p.add_argument("--json", action="store_true", help="print the report as one JSON line (stdout) instead of text")
+    add_device_options(p, cores=DEFAULT_CORES, cores_help="simulated NeuronCores (4 = one trn2 chip at LNC=2)")
+    add_cost_options(p)
+    add_json_option(p, "the report")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command to run")
     p.set_defaults(run=run, parser=p)
 
 
 def _child_env(args: argparse.Namespace, report_dir: Path) -> dict[str, str]:
-    from ..activation import SIM_HBM_ENV, SIMULATE_ENV
-    from ..simulator.report import REPORT_DIR_ENV
-
     env = dict(os.environ)
-    env[SIMULATE_ENV] = str(args.cores)
-    env[SIM_HBM_ENV] = args.hbm
-    env[REPORT_DIR_ENV] = str(report_dir)
+    env[settings.env_name("simulate")] = str(args.cores)
+    env[settings.env_name("sim_hbm")] = args.hbm
+    env[settings.env_name("report_dir")] = str(report_dir)
     # The interpreter's own bin dir first: `python`, `accelerate`, `torchrun` are the ones
     # that have accelerate-neuron installed, even if the venv is not activated.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])

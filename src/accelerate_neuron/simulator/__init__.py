@@ -44,7 +44,7 @@ from typing import Any
 from ..sizes import parse_size
 from .runtime import SimState, get_state_or_none, set_state
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 __all__ = ["SimulatorError", "install", "is_installed", "reset_stats", "stats"]
 

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("runtime.cpp", "kernels.cpp", "autocast.cpp")

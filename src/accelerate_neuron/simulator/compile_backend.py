@@ -24,7 +24,7 @@ import torch
 from . import graph_key, neff_cache
 from .runtime import state
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "neuron"
 

@@ -35,7 +35,7 @@ import torch
 
 from .runtime import state
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "neuron"
 

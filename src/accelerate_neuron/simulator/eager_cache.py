@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 from . import graph_key, neff_cache
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 #: Signature -> "hit" | "miss", for the signatures seen since the last reset, against ``_settled_in``.

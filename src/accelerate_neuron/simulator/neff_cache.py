@@ -45,7 +45,7 @@ from typing import Any
 
 import filelock
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
 DISABLE_ENV = "TORCH_NEURONX_NEFF_DISABLE_CACHE"

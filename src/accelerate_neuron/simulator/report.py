@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 REPORT_DIR_ENV = "ACCELERATE_NEURON_REPORT_DIR"
 FORMAT_VERSION = 1

@@ -1,9 +1,14 @@
 """Built-in plugin ``generation``: ``generate()`` on Neuron without script edits.
 
+- One object per call (:mod:`.call`) owns what the call pads, where its
+  tensors live and how its outputs come back; the patches below are thin
+  adapters that ask it (:mod:`.wrappers`).
 - Growing tensors (ids, attention mask, ...) stay on the host even when the
   script did ``inputs.to(model.device)``; forward inputs move to the model's
   device just before each forward; the result returns on the caller's device
   (:mod:`.devices`).
+- Prompts are padded to length buckets and batches to size buckets, and the
+  prefill is compiled (:mod:`.shapes`, :mod:`.padding`).
 - Static KV cache by default, its length bucketed, and the decode step
   compiled with the ``"neuron"`` backend on every supported Transformers
   release (:mod:`.cache`).
@@ -18,14 +23,14 @@ Hooks with built-in answers here: ``neuron_generation_tensor_device``,
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from ... import settings
 from ...hookspecs import hookimpl
 from ...patching import Patch
-from . import cache, devices, shapes
+from . import cache, shapes, wrappers
 
 GEN = "transformers.generation.utils"
 _MIXIN = "GenerationMixin"
@@ -37,7 +42,7 @@ def neuron_patches() -> list[Patch]:
         Patch(
             GEN,
             f"{_MIXIN}.generate",
-            devices.wrap_generate,
+            wrappers.wrap_generate,
             reason="generate() keeps growing tensors on the host, moves forward inputs to Neuron before each "
             "forward, and returns the result on the caller's device; concurrent calls on one model take turns "
             "where upstream reuses one KV cache between calls (4.x model._cache)",
@@ -47,7 +52,7 @@ def neuron_patches() -> list[Patch]:
         Patch(
             GEN,
             f"{_MIXIN}._prepare_text_encoder_decoder_kwargs_for_generation",
-            devices.wrap_encoder_kwargs,
+            wrappers.wrap_encoder_kwargs,
             reason="the encoder of an encoder-decoder model runs on Neuron while generate()'s ids stay on the host",
             lacking="every release",
             params=("inputs_tensor", "model_kwargs"),
@@ -56,7 +61,7 @@ def neuron_patches() -> list[Patch]:
         Patch(
             GEN,
             f"{_MIXIN}._prepare_encoder_decoder_kwargs_for_generation",
-            devices.wrap_encoder_kwargs,
+            wrappers.wrap_encoder_kwargs,
             reason="the encoder of an encoder-decoder model runs on Neuron while generate()'s ids stay on the host",
             lacking="every release",
             params=("inputs_tensor", "model_kwargs"),
@@ -65,7 +70,7 @@ def neuron_patches() -> list[Patch]:
         Patch(
             GEN,
             f"{_MIXIN}._prepare_cache_for_generation",
-            cache.wrap_prepare_cache,
+            wrappers.wrap_prepare_cache,
             reason="a static KV cache by default on Neuron when the caller chose none (a dynamic cache changes "
             f"shape every token); opt out with cache_implementation='dynamic' or {cache.STATIC_CACHE_ENV}=0",
             lacking="every release (DynamicCache is the default)",
@@ -74,7 +79,7 @@ def neuron_patches() -> list[Patch]:
         Patch(
             GEN,
             f"{_MIXIN}._prepare_static_cache",
-            cache.wrap_static_cache_length,
+            wrappers.wrap_static_cache_length,
             reason="static KV-cache length rounded up to a bucket so generate() calls share compiled graphs",
             lacking="every release",
             params=("max_cache_len",),
@@ -83,7 +88,7 @@ def neuron_patches() -> list[Patch]:
         Patch(
             GEN,
             f"{_MIXIN}._get_cache",
-            cache.wrap_static_cache_length,
+            wrappers.wrap_static_cache_length,
             reason="static KV-cache length rounded up to a bucket so generate() calls share compiled graphs",
             lacking="every release",
             params=("max_cache_len",),
@@ -92,7 +97,7 @@ def neuron_patches() -> list[Patch]:
         Patch(
             GEN,
             f"{_MIXIN}._valid_auto_compile_criteria",
-            cache.wrap_auto_compile,
+            wrappers.wrap_auto_compile,
             reason="decode compiles on Neuron with a static cache, with the neuron_compile_config('generate') "
             "defaults (backend 'neuron', dynamic=False)",
             lacking="4.x (auto-compile is CUDA-only and defaults to inductor/reduce-overhead)",
@@ -101,7 +106,7 @@ def neuron_patches() -> list[Patch]:
         Patch(
             GEN,
             f"{_MIXIN}._sample",
-            devices.wrap_sample,
+            wrappers.wrap_sample,
             reason="greedy decoding takes the argmax on Neuron: one id per row crosses to the host, not the logits",
             lacking="every release",
             params=("input_ids", "logits_processor", "generation_config"),
@@ -109,7 +114,7 @@ def neuron_patches() -> list[Patch]:
         Patch(
             "transformers.modeling_utils",
             "PreTrainedModel.get_compiled_call",
-            devices.wrap_get_compiled_call,
+            wrappers.wrap_get_compiled_call,
             reason="the compiled decode step hands back the greedy token when _sample selects it on Neuron",
             lacking="every release",
             params=("compile_config",),
@@ -135,8 +140,8 @@ def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
 
 @hookimpl
 def neuron_static_cache_length(requested: int, max_position_embeddings: int | None) -> int | None:
-    spec = cache.parse_buckets(os.environ.get(cache.BUCKETS_ENV))
-    return cache.bucket_length(requested, max_position_embeddings, spec)
+    # The user's cache_buckets (environment, config file) is applied before any plugin is asked.
+    return cache.bucket_length(requested, max_position_embeddings, settings.setting("cache_buckets").default)
 
 
 @hookimpl

@@ -6,73 +6,63 @@ and a ``DynamicCache`` grows by one position per token. So on Neuron:
 - the KV cache is static by default when the caller chose none
   (``ACCELERATE_NEURON_STATIC_CACHE=0`` or ``cache_implementation="dynamic"``
   opts out);
-- its length is rounded up to a bucket (``neuron_static_cache_length`` hook;
-  ``ACCELERATE_NEURON_CACHE_BUCKETS``), so different prompt lengths and
-  ``max_new_tokens`` reuse a few graphs;
+- its length is rounded up to a bucket (the ``cache_buckets`` setting, or a
+  plugin's ``neuron_static_cache_length`` answer), so different prompt lengths
+  and ``max_new_tokens`` reuse a few graphs;
 - the decode step is compiled with the ``neuron_compile_config("generate")``
   settings on every Transformers release (4.57 only auto-compiles on CUDA and
   defaults to inductor); ``disable_compile=True`` and a caller's
   ``compile_config`` are honoured.
+
+The decisions are here; :mod:`.wrappers` applies them to upstream's calls.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import logging
-import os
-from collections.abc import Callable
 from typing import Any
 
+from ... import logs, settings
 from ...plugins import call_hook
-from . import bucketing, padding, shapes
-from .devices import model_device, split_across_devices
+from . import shapes
+from .devices import split_across_devices
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
-STATIC_CACHE_ENV = "ACCELERATE_NEURON_STATIC_CACHE"
-BUCKETS_ENV = "ACCELERATE_NEURON_CACHE_BUCKETS"
+STATIC_CACHE_ENV = settings.env_name("static_cache")
+BUCKETS_ENV = settings.env_name("cache_buckets")
 #: Smallest power-of-two bucket: shorter caches cost next to nothing and would add graphs.
 MIN_POW2_BUCKET = 64
 # Greedy/sampling/beam loops work with a static cache on both supported
 # releases; assisted and contrastive decoding roll the cache back (dynamic only).
 _STATIC_MODES = frozenset({"greedy_search", "sample", "beam_search", "beam_sample"})
 
-_announced = False
-
 
 def static_cache_default_enabled() -> bool:
-    raw = os.environ.get(STATIC_CACHE_ENV, "").strip().lower()
-    if raw in ("", "1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"invalid {STATIC_CACHE_ENV}={raw!r}: expected 1 (default: static KV cache on Neuron) or 0")
+    """The ``static_cache`` setting."""
+    return settings.get("static_cache")
 
 
-def parse_buckets(raw: str | None) -> str | tuple[int, ...]:
-    """``"pow2"`` (default), ``"off"``, or an ascending tuple of lengths from ``"256,512,1024"``."""
-    parsed = shapes.parse_buckets(raw, BUCKETS_ENV, "cache lengths", example="256,512,1024")
-    if parsed is None or parsed == "pow2":
-        return "pow2"
-    return parsed or "off"
+def parse_buckets(raw: str | None) -> settings.BucketSpec:
+    """The ``cache_buckets`` value for the text ``raw``: ``"pow2"`` (also when unset), ``()`` (off) or lengths."""
+    if raw is None or not raw.strip():
+        return settings.POW2
+    return settings.parse("cache_buckets", raw)
 
 
-_warned_beyond: set[int] = set()
-
-
-def bucket_length(requested: int, max_position_embeddings: int | None, spec: str | tuple[int, ...]) -> int:
-    """The built-in answer of ``neuron_static_cache_length``."""
-    if spec == "off" or requested <= 0:
+def bucket_length(requested: int, max_position_embeddings: int | None, spec: settings.BucketSpec) -> int:
+    """The cache length for ``requested`` positions under the bucket list ``spec``."""
+    if not spec or spec == "off" or requested <= 0:
         return requested
-    if spec == "pow2":
+    if spec == settings.POW2:
         length = max(MIN_POW2_BUCKET, 1 << (requested - 1).bit_length())
     else:
         length = next((n for n in spec if n >= requested), requested)
-        if length == requested and requested not in spec and requested not in _warned_beyond:
-            _warned_beyond.add(requested)
-            logger.warning(
+        if length == requested and requested not in spec:
+            logs.once(
+                logger,
+                ("generation.cache_beyond_largest", requested),
                 "accelerate_neuron: generate() needs a KV cache of %d positions, more than the largest bucket in "
                 "%s=%s; this length gets its own compiled graph. Add a larger bucket.",
                 requested,
@@ -86,9 +76,16 @@ def bucket_length(requested: int, max_position_embeddings: int | None, spec: str
 
 
 def cache_length(model: Any, requested: int) -> int:
-    answer = call_hook(
-        "neuron_static_cache_length", requested=requested, max_position_embeddings=bucketing.max_positions(model)
-    )
+    """The static cache length to allocate for ``requested`` positions: the ``cache_buckets`` setting's answer.
+
+    A bucket list the user chose (environment, config file) wins over any plugin; otherwise the
+    ``neuron_static_cache_length`` hook answers (built-in: powers of two).
+    """
+    max_positions = shapes.max_positions(model)
+    chosen = settings.explicit("cache_buckets")
+    if chosen is not None:
+        return bucket_length(requested, max_positions, chosen.value)
+    answer = call_hook("neuron_static_cache_length", requested=requested, max_position_embeddings=max_positions)
     if answer is None:
         return requested
     if isinstance(answer, bool) or not isinstance(answer, int) or answer < requested:
@@ -99,42 +96,7 @@ def cache_length(model: Any, requested: int) -> int:
     return answer
 
 
-def wrap_static_cache_length(original: Callable[..., Any]) -> Callable[..., Any]:
-    """For ``_get_cache`` (Transformers 4.x) and ``_prepare_static_cache`` (5.x): bucket the cache's shape.
-
-    Its length holds the prompt's pad slots, then rounds up to a cache bucket; its
-    batch is the plan's batch bucket (dummy rows) when the call may use one.
-    """
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def sized(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if model_device(self) is None:
-            return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        plan = padding.current()
-        batch = bound.arguments.get("batch_size")
-        if plan is not None and isinstance(batch, int):
-            plan.batch = batch
-            if plan.may_add_rows:
-                bucket = plan.policy.batch_bucket(batch)
-                if bucket is None:
-                    shapes.warn_beyond_largest("batch size", batch, plan.policy.batch_buckets, shapes.BATCH_BUCKETS_ENV)
-                else:
-                    plan.dummy = bucket - batch
-                    bound.arguments["batch_size"] = bucket
-        requested = bound.arguments.get("max_cache_len")
-        if isinstance(requested, int):
-            bound.arguments["max_cache_len"] = cache_length(self, requested + (plan.pad if plan is not None else 0))
-        cache = original(*bound.args, **bound.kwargs)
-        if plan is not None and plan.chunked:
-            _initialize_before_compiled_prefill(self, cache, bound.arguments.get("batch_size"))
-        return cache
-
-    return sized
-
-
-def _initialize_before_compiled_prefill(model: Any, cache: Any, batch_size: Any) -> None:
+def initialize_before_compiled_prefill(model: Any, cache: Any, batch_size: Any) -> None:
     """Allocate a fresh static cache before the compiled prefill (4.x initialises it lazily, inside the graph).
 
     A cache allocated inside the first compiled prefill makes that graph differ from the next call's (the
@@ -174,7 +136,7 @@ def _head_shape(model: Any) -> tuple[int, int] | None:
     return heads, head_dim
 
 
-def _mode_name(generation_mode: Any) -> str:
+def mode_name(generation_mode: Any) -> str:
     return str(getattr(generation_mode, "value", generation_mode))
 
 
@@ -196,56 +158,25 @@ def _supports_static_cache(model: Any) -> bool:
         return False
 
 
-def wrap_prepare_cache(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def prepare(
-        self: Any,
-        generation_config: Any,
-        model_kwargs: dict[str, Any],
-        generation_mode: Any,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        if model_device(self) is None:
-            return original(self, generation_config, model_kwargs, generation_mode, *args, **kwargs)
-        caller_cache = _caller_chose_cache(generation_config, model_kwargs)
-        if (
-            not caller_cache
-            and _mode_name(generation_mode) in _STATIC_MODES
-            and not getattr(generation_config, "is_assistant", False)
-            and _supports_static_cache(self)
-            and static_cache_default_enabled()
-        ):
-            generation_config.cache_implementation = "static"
-            _announce()
-        plan = padding.current()
-        if plan is not None:
-            compiles = not getattr(generation_config, "disable_compile", False) and not split_across_devices(self)
-            bucketing.plan_call(self, plan, generation_config, model_kwargs, _mode_name(generation_mode), compiles)
-        result = original(self, generation_config, model_kwargs, generation_mode, *args, **kwargs)
-        if plan is not None and plan.dummy and not self._valid_auto_compile_criteria(model_kwargs, generation_config):
-            # Dummy rows are cut from the compiled call's logits: without compiling there is no place to cut them.
-            bucketing.drop_rows(plan, model_kwargs)
-            result = original(self, generation_config, model_kwargs, generation_mode, *args, **kwargs)
-        if plan is not None:
-            bucketing.announce(plan)
-        return result
-
-    return prepare
-
-
-def _announce() -> None:
-    global _announced
-    if _announced:
-        return
-    _announced = True
-    logger.warning(
-        "accelerate_neuron: generate() on Neuron uses a static KV cache (length rounded up to a bucket, see %s) so "
-        "the decode step compiles once instead of once per token. Opt out with cache_implementation='dynamic' or "
-        "%s=0.",
-        BUCKETS_ENV,
-        STATIC_CACHE_ENV,
-    )
+def choose_static_cache(model: Any, generation_config: Any, model_kwargs: dict[str, Any], mode: str) -> None:
+    """A static cache for this call when the caller chose none and the model and mode can use one."""
+    if (
+        not _caller_chose_cache(generation_config, model_kwargs)
+        and mode in _STATIC_MODES
+        and not getattr(generation_config, "is_assistant", False)
+        and _supports_static_cache(model)
+        and static_cache_default_enabled()
+    ):
+        generation_config.cache_implementation = "static"
+        logs.once(
+            logger,
+            "generation.static_cache",
+            "accelerate_neuron: generate() on Neuron uses a static KV cache (length rounded up to a bucket, see %s) "
+            "so the decode step compiles once instead of once per token. Opt out with "
+            "cache_implementation='dynamic' or %s=0.",
+            BUCKETS_ENV,
+            STATIC_CACHE_ENV,
+        )
 
 
 # --- compiled decode ------------------------------------------------------------------------------
@@ -276,45 +207,57 @@ def _compileable_cache(model_kwargs: dict[str, Any]) -> bool:
     return bool(getattr(cache, "is_compileable", False)) and type(decoder).__name__ != "DynamicCache"
 
 
-_warned_split = False
-
-
-def _skip_compile_for_split_model() -> None:
-    global _warned_split
-    if _warned_split:
-        return
-    _warned_split = True
-    logger.warning(
+def _warn_split_model() -> None:
+    logs.once(
+        logger,
+        "generation.split_model",
         "accelerate_neuron: generate() does not auto-compile a model dispatched across several Neuron cores: "
         "its decode step would be one graph holding tensors of several cores, and a NEFF runs on one NeuronCore "
         "(torch-neuronx's support for such graphs is unverified). Decode runs eagerly with a static cache "
         "instead; pass compile_config=CompileConfig(...) to compile anyway, "
-        "or load the model on one core (device_map={'': 0}) if it fits."
+        "or load the model on one core (device_map={'': 0}) if it fits.",
     )
 
 
-def wrap_auto_compile(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Let ``_valid_auto_compile_criteria`` accept Neuron, with Neuron's compile defaults."""
+def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_config: Any) -> Any:
+    """The compile config ``_valid_auto_compile_criteria`` should see for a model on Neuron.
 
-    @functools.wraps(original)
-    def valid(self: Any, model_kwargs: dict[str, Any], generation_config: Any) -> bool:
-        if model_device(self) is None or getattr(generation_config, "disable_compile", False):
-            return original(self, model_kwargs, generation_config)
-        config = getattr(generation_config, "compile_config", None)
-        if config is None and not _compileable_cache(model_kwargs):
-            # Nothing to compile (e.g. a dynamic cache): adding a config would only make upstream
-            # warn that it cannot honour it.
-            return original(self, model_kwargs, generation_config)
-        if config is None and split_across_devices(self):
-            _skip_compile_for_split_model()
-            return False
-        if config is None:
-            config = default_compile_config()
-        elif not getattr(config, "_compile_all_devices", None):
-            config = copy.copy(config)  # the caller's object stays as they made it
-        # Upstream's own escape hatch: 4.x's gate accepts only CUDA without it.
-        config._compile_all_devices = True
-        generation_config.compile_config = config
-        return original(self, model_kwargs, generation_config)
+    ``None``: leave upstream's decision alone (nothing to compile, or compiling disabled); ``False``: do not
+    compile (a model split across cores); else the caller's config (copied) or Neuron's defaults, with
+    upstream's own flag that lets 4.x compile on a device other than CUDA.
+    """
+    if getattr(generation_config, "disable_compile", False):
+        return None
+    config = getattr(generation_config, "compile_config", None)
+    if config is None and not _compileable_cache(model_kwargs):
+        # Nothing to compile (e.g. a dynamic cache): adding a config would only make upstream
+        # warn that it cannot honour it.
+        return None
+    if config is None and split_across_devices(model):
+        _warn_split_model()
+        return False
+    if config is None:
+        config = default_compile_config()
+    elif not getattr(config, "_compile_all_devices", None):
+        config = copy.copy(config)  # the caller's object stays as they made it
+    config._compile_all_devices = True
+    return config
 
-    return valid
+
+#: Graphs one compiled generate() frame may hold: prefill and decode graphs of every bucket a job touches.
+#: Dynamo's default (8) would silently fall back to eager after the eighth.
+GRAPH_ROOM = 256
+
+
+def make_room_for_buckets() -> None:
+    """Raise Dynamo's recompile limit so the bucketed graphs of one ``generate`` frame never fall back to eager."""
+    import torch._dynamo.config as dynamo_config
+
+    if dynamo_config.recompile_limit < GRAPH_ROOM:
+        logger.info(
+            "accelerate_neuron: torch._dynamo.config.recompile_limit raised from %d to %d: generate() compiles one "
+            "graph per prompt/batch/cache bucket in one frame",
+            dynamo_config.recompile_limit,
+            GRAPH_ROOM,
+        )
+        dynamo_config.recompile_limit = GRAPH_ROOM

@@ -1,9 +1,8 @@
-"""Prompt-length and batch buckets for one ``generate()`` call, applied where only the model sees them.
+"""The padded layout of a bucketed ``generate()`` call: what only the model's forward passes see.
 
-Upstream's loop keeps working on the caller's own tensors: stopping criteria,
-logits processors, streamers, ``max_length`` / ``min_length`` and every
-returned field see exactly what they would without this plugin. Only the
-forward passes see padded shapes:
+What a call pads is decided by its :class:`~.call.GenerateCall`; the tensor
+work is here. Upstream's loop keeps working on the caller's own tensors, so
+only the forward passes see padded shapes:
 
 - ``pad`` columns are prepended to every forward's ``input_ids`` /
   ``attention_mask`` (0 there) / ``position_ids`` (the caller's positions are
@@ -20,69 +19,34 @@ forward passes see padded shapes:
   Transformers 4.x's chunked path numbers positions ``0..n-1`` whatever the
   caller's left padding; its arange is dropped on every chunked call, padded
   by us or not, so positions come from the mask as in the unchunked call.
-
-A :class:`CallPlan` lives in a context variable for the duration of one
-``generate()`` call, so concurrent calls (threads) and nested ones each have
-their own.
+- An encoder-decoder model's encoder input is right-padded to a prompt
+  bucket instead (:func:`encoder_pad`), its mask 0 there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .shapes import ShapePolicy
+from ... import logs
+from . import shapes
 
-logger = logging.getLogger("accelerate_neuron")
+if TYPE_CHECKING:
+    from .call import GenerateCall
+
+logger = logging.getLogger(__name__)
 
 #: Tensors of a decoder forward whose last dimension is the sequence (the columns ``pad`` extends).
 _SEQUENCE_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids")
 _PAD_VALUE = {"attention_mask": 0, "position_ids": 1, "token_type_ids": 0}  # 1: upstream's own fill for pads
 
 
-@dataclass
-class CallPlan:
-    """What one ``generate()`` call pads. ``pad``/``dummy`` are decided before its cache is built."""
-
-    prompt: int  # prompt length the caller passed
-    batch: int = 0  # rows upstream generates (after num_beams / num_return_sequences expansion)
-    pad: int = 0
-    dummy: int = 0
-    filler: int = 0  # a valid token id for the pad columns (masked out: its value never matters)
-    chunked: bool = False  # the prefill goes through upstream's chunked (compiled) path
-    may_add_rows: bool = False  # every forward runs through the compiled call, where dummy rows are cut
-    policy: ShapePolicy | None = None
-    calls: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def active(self) -> bool:
-        return self.pad > 0 or self.dummy > 0
-
-
-_current: contextvars.ContextVar[CallPlan | None] = contextvars.ContextVar("accelerate_neuron_plan", default=None)
-
-
-def current() -> CallPlan | None:
-    return _current.get()
-
-
-@contextlib.contextmanager
-def planning(prompt: int | None) -> Iterator[None]:
-    """Open the plan slot of one ``generate()`` call (None: nothing to bucket)."""
-    token = _current.set(CallPlan(prompt=prompt) if prompt else None)
-    try:
-        yield
-    finally:
-        _current.reset(token)
+def returns_padded_shapes(generation_config: Any) -> bool:
+    """Whether the call returns per-position tensors (attentions, hidden states) that would show the padding."""
+    return any(getattr(generation_config, k, False) for k in ("output_attentions", "output_hidden_states"))
 
 
 def _cat_columns(value: torch.Tensor, pad: int, fill: int) -> torch.Tensor:
@@ -105,10 +69,10 @@ def _chunk_arange_positions(position_ids: Any, cache_position: Any) -> bool:
     return torch.equal(position_ids[0].cpu(), cache_position.reshape(-1).cpu())
 
 
-def pad_forward_inputs(plan: CallPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-    """The arguments of ``prepare_inputs_for_generation`` in the padded layout."""
-    first = plan.calls == 0
-    plan.calls += 1
+def pad_forward_inputs(
+    call: GenerateCall, first: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple, dict]:
+    """The arguments of ``prepare_inputs_for_generation`` in the padded layout (``first``: the prefill's)."""
     args = list(args)
     kwargs = dict(kwargs)
     if args:
@@ -117,13 +81,13 @@ def pad_forward_inputs(plan: CallPlan, args: tuple[Any, ...], kwargs: dict[str, 
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return tuple(args), kwargs
     cache_position = kwargs.get("cache_position")
-    if first and plan.chunked and _chunk_arange_positions(kwargs.get("position_ids"), cache_position):
+    if first and call.chunked and _chunk_arange_positions(kwargs.get("position_ids"), cache_position):
         # Transformers 4.x's chunked prefill passes arange positions that ignore the caller's left padding
         # (its own bug: a padded row's prompt then sits at other positions than its decode steps). The
         # unchunked path, which the caller asked for, derives them from the mask, as the inner call does
         # when they are absent. This holds with or without a pad of ours: a prompt already at a bucket too.
         kwargs.pop("position_ids")
-    if plan.pad:
+    if call.pad:
         if kwargs.get("attention_mask") is None:
             # Upstream drops an all-ones mask; the padded layout needs one (0 on the pad).
             seen = int(cache_position[-1]) + 1 if isinstance(cache_position, torch.Tensor) else ids.shape[1]
@@ -131,30 +95,28 @@ def pad_forward_inputs(plan: CallPlan, args: tuple[Any, ...], kwargs: dict[str, 
         for name in _SEQUENCE_INPUTS:
             value = kwargs.get(name)
             if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                kwargs[name] = _cat_columns(value, plan.pad, _PAD_VALUE.get(name, plan.filler))
+                kwargs[name] = _cat_columns(value, call.pad, _PAD_VALUE.get(name, call.filler))
         if isinstance(cache_position, torch.Tensor):
-            shifted = cache_position + plan.pad
+            shifted = cache_position + call.pad
             if first:
-                prefix = torch.arange(plan.pad, dtype=cache_position.dtype, device=cache_position.device)
+                prefix = torch.arange(call.pad, dtype=cache_position.dtype, device=cache_position.device)
                 shifted = torch.cat([prefix, shifted])
             kwargs["cache_position"] = shifted
-    if plan.dummy:
+    if call.dummy:
         for name in _SEQUENCE_INPUTS:
             value = kwargs.get(name)
             if isinstance(value, torch.Tensor):
-                kwargs[name] = _add_rows(value, plan.batch, plan.dummy)
+                kwargs[name] = _add_rows(value, call.batch, call.dummy)
     ids = kwargs.pop("input_ids")
     return (ids, *args), kwargs
 
 
-def cut_dummy_rows(plan: CallPlan | None, outputs: Any) -> Any:
-    """Upstream sees ``plan.batch`` rows of logits: the dummy rows' are dropped (on the host, after the forward)."""
-    if plan is None or not plan.dummy:
-        return outputs
+def cut_dummy_rows(outputs: Any, batch: int, dummy: int) -> Any:
+    """Upstream sees ``batch`` rows of logits: the ``dummy`` rows' are dropped (on the host, after the forward)."""
     logits = getattr(outputs, "logits", None)
-    if isinstance(logits, torch.Tensor) and logits.shape[0] == plan.batch + plan.dummy:
+    if dummy and isinstance(logits, torch.Tensor) and logits.shape[0] == batch + dummy:
         # The cut is made on the host: a device-side slice would have one shape per real batch size.
-        outputs.logits = logits[:, -1:].to("cpu")[: plan.batch]
+        outputs.logits = logits[:, -1:].to("cpu")[:batch]
     return outputs
 
 
@@ -170,7 +132,7 @@ def _layers(cache: Any) -> list[Any] | None:
     return layers
 
 
-def unpadded_cache(cache: Any, plan: CallPlan) -> Any:
+def unpadded_cache(cache: Any, pad: int, batch: int) -> Any:
     """A copy of a returned static cache in the caller's layout: pad slots and dummy rows removed.
 
     Upstream may keep and reuse the cache object it built (Transformers 4.x keeps
@@ -178,31 +140,31 @@ def unpadded_cache(cache: Any, plan: CallPlan) -> Any:
     padded layout its next call expects. A cache structure this does not know is
     returned as is, with a warning once.
     """
-    if cache is None or not plan.active:
+    if cache is None:
         return cache
     inner = getattr(cache, "self_attention_cache", cache)
     layers = _layers(inner)
     if layers is None:
         _warn_layout(type(cache).__name__)
         return cache
-    rows = slice(0, plan.batch)
+    rows = slice(0, batch)
     copied = []
     for layer in layers:
         new = copy.copy(layer)
         for name in ("keys", "values"):
             tensor = getattr(layer, name)
             moved = torch.zeros_like(tensor[rows])
-            length = tensor.shape[-2] - plan.pad
-            moved[..., :length, :] = tensor[rows, :, plan.pad :, :]
+            length = tensor.shape[-2] - pad
+            moved[..., :length, :] = tensor[rows, :, pad:, :]
             setattr(new, name, moved)
         for name in ("batch_size", "max_batch_size"):
             if isinstance(getattr(layer, name, None), int):
-                setattr(new, name, plan.batch)
+                setattr(new, name, batch)
         seen = getattr(layer, "cumulative_length", None)
         if isinstance(seen, torch.Tensor):
-            new.cumulative_length = (seen - plan.pad).clamp_(min=0)
+            new.cumulative_length = (seen - pad).clamp_(min=0)
         elif isinstance(seen, int):
-            new.cumulative_length = max(seen - plan.pad, 0)
+            new.cumulative_length = max(seen - pad, 0)
         copied.append(new)
     new_inner = copy.copy(inner)
     new_inner.layers = copied
@@ -213,16 +175,43 @@ def unpadded_cache(cache: Any, plan: CallPlan) -> Any:
     return new_cache
 
 
-_warned_layout: set[str] = set()
-
-
 def _warn_layout(name: str) -> None:
-    if name in _warned_layout:
-        return
-    _warned_layout.add(name)
-    logger.warning(
+    logs.once(
+        logger,
+        ("generation.cache_layout", name),
         "accelerate_neuron: the %s returned by generate() holds the bucketed layout (pad slots first, dummy rows "
         "last): it cannot be passed back to generate() as is. Set ACCELERATE_NEURON_PROMPT_BUCKETS=off and "
         "ACCELERATE_NEURON_BATCH_BUCKETS=off for calls whose cache you reuse.",
         name,
     )
+
+
+# --- encoder-decoder models: the encoder input length ---------------------------------------------
+
+
+def encoder_pad(inputs_tensor: Any, generation_config: Any) -> int:
+    """Columns to append to the token input of an encoder on Neuron (0: leave it as it is)."""
+    if not isinstance(inputs_tensor, torch.Tensor) or inputs_tensor.dim() != 2 or inputs_tensor.is_floating_point():
+        return 0
+    if returns_padded_shapes(generation_config):
+        return 0
+    policy = shapes.resolve_policy(None)
+    length = inputs_tensor.shape[1]
+    bucket = policy.prompt_bucket(length)
+    if bucket is None:
+        if policy.prompt_buckets:
+            shapes.warn_beyond_largest("prompt length", length, policy.prompt_buckets, shapes.PROMPT_BUCKETS_ENV)
+        return 0
+    return bucket - length
+
+
+def pad_encoder_inputs(
+    inputs_tensor: torch.Tensor, model_kwargs: dict[str, Any], pad: int, filler: int
+) -> torch.Tensor:
+    """Right-pad the encoder's ids (and its attention mask, 0 on the pad) by ``pad`` columns, in ``model_kwargs``."""
+    rows = inputs_tensor.shape[0]
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:
+        mask = torch.ones(inputs_tensor.shape, dtype=torch.long, device=inputs_tensor.device)
+    model_kwargs["attention_mask"] = torch.cat([mask, mask.new_zeros((rows, pad))], dim=-1)
+    return torch.cat([inputs_tensor, inputs_tensor.new_full((rows, pad), filler)], dim=-1)

@@ -2,14 +2,13 @@
 
 Every new input shape of a compiled graph is a new Neuron compile, so the
 prefill (prompt length x batch) and decode (cache length x batch) graphs are
-only ever compiled for a few bucketed shapes. The policy is the
-``neuron_generation_shape_policy`` hook's answer, overridden by the
-environment:
+only ever compiled for a few bucketed shapes. The buckets are the
+``prompt_buckets`` and ``batch_buckets`` settings (:mod:`accelerate_neuron.settings`:
+environment, config file, the ``neuron_generation_shape_policy`` hook, default):
 
-- ``ACCELERATE_NEURON_PROMPT_BUCKETS``: ``pow2`` (default: 32, 64, ... up to
-  ``max_position_embeddings``), ``off``, or ascending lengths ``128,512,2048``;
-- ``ACCELERATE_NEURON_BATCH_BUCKETS``: ``pow2`` (default: 1, 2, 4, ... 256),
-  ``off``, or ascending sizes ``1,4,16``.
+- prompt lengths: ``pow2`` (default: 32, 64, ... up to ``max_position_embeddings``),
+  ``off``, or ascending lengths ``128,512,2048``;
+- batch sizes: ``pow2`` (default: 1, 2, 4, ... 256), ``off``, or ascending sizes ``1,4,16``.
 
 A prompt (or batch) larger than the largest bucket keeps its own shape, with a
 warning once: never an error.
@@ -18,15 +17,16 @@ warning once: never an error.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger("accelerate_neuron")
+from ... import logs, settings
 
-PROMPT_BUCKETS_ENV = "ACCELERATE_NEURON_PROMPT_BUCKETS"
-BATCH_BUCKETS_ENV = "ACCELERATE_NEURON_BATCH_BUCKETS"
+logger = logging.getLogger(__name__)
+
+PROMPT_BUCKETS_ENV = settings.env_name("prompt_buckets")
+BATCH_BUCKETS_ENV = settings.env_name("batch_buckets")
 #: Shortest prompt bucket: shorter prefills cost next to nothing, and would each be a graph.
 MIN_PROMPT_BUCKET = 32
 #: Without a known context length, prompt buckets stop here (a longer prompt runs at its own length).
@@ -52,6 +52,25 @@ class ShapePolicy:
         return _smallest_at_least(self.batch_buckets, size)
 
 
+def max_positions(model: Any) -> int | None:
+    """The decoder's context length (``max_position_embeddings``), or None if the config does not say."""
+    try:
+        config = model.config.get_text_config(decoder=True)
+    except Exception:
+        config = getattr(model, "config", None)
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def short(values: tuple[int, ...]) -> str:
+    """Buckets for a log line: ``1, 2, 4, ... 256``."""
+    if not values:
+        return "off"
+    if len(values) <= 5:
+        return ", ".join(map(str, values))
+    return f"{values[0]}, {values[1]}, {values[2]}, ... {values[-1]}"
+
+
 def _smallest_at_least(buckets: Sequence[int], value: int) -> int | None:
     return next((b for b in buckets if b >= value), None)
 
@@ -74,81 +93,34 @@ def pow2_batch_buckets() -> tuple[int, ...]:
 
 def default_policy(max_position_embeddings: int | None) -> dict[str, Any]:
     """The built-in answer of ``neuron_generation_shape_policy``."""
-    return {
-        "prompt_buckets": pow2_prompt_buckets(max_position_embeddings),
-        "batch_buckets": pow2_batch_buckets(),
-    }
-
-
-def parse_buckets(raw: str | None, env: str, what: str, example: str = "32,128,512") -> str | tuple[int, ...] | None:
-    """``None`` (unset), ``"pow2"``, ``()`` (off) or an ascending tuple, from ``env``'s value ``raw``."""
-    text = (raw or "").strip().lower()
-    if text == "":
-        return None
-    if text == "pow2":
-        return "pow2"
-    if text in ("off", "0", "none", "no"):
-        return ()
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or any(v <= 0 for v in values) or list(values) != sorted(set(values)):
-        raise ValueError(
-            f"invalid {env}={raw!r}: expected 'pow2' (default), 'off', or ascending positive {what} separated by "
-            f"commas, e.g. '{example}'"
-        )
-    return values
-
-
-def _checked(value: Any, key: str) -> tuple[int, ...]:
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise ValueError(f"neuron_generation_shape_policy returned {key}={value!r}: expected a list of ints")
-    values = tuple(value)
-    if any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values) or list(values) != sorted(
-        set(values)
-    ):
-        raise ValueError(
-            f"neuron_generation_shape_policy returned {key}={value!r}: expected ascending positive ints "
-            "(an empty list turns that bucketing off)"
-        )
-    return values
+    return {"prompt_buckets": settings.POW2, "batch_buckets": settings.POW2}
 
 
 def resolve_policy(max_position_embeddings: int | None) -> ShapePolicy:
-    """The policy in force: the hook's answer (built-in: powers of two), then the environment's overrides."""
+    """The policy in force: each bucket setting from the environment, a config file, the hook, or the default."""
     from ...plugins import call_hook
 
     answer = call_hook("neuron_generation_shape_policy", max_position_embeddings=max_position_embeddings)
-    merged = default_policy(max_position_embeddings)
-    if answer is not None:
-        if not isinstance(answer, dict) or set(answer) - set(_KEYS):
-            raise ValueError(
-                f"neuron_generation_shape_policy returned {answer!r}: expected a dict with keys among {list(_KEYS)}"
-            )
-        merged.update({k: _checked(v, k) for k, v in answer.items() if v is not None})
-    for key, env, what, pow2 in (
-        ("prompt_buckets", PROMPT_BUCKETS_ENV, "prompt lengths", lambda: pow2_prompt_buckets(max_position_embeddings)),
-        ("batch_buckets", BATCH_BUCKETS_ENV, "batch sizes", pow2_batch_buckets),
-    ):
-        override = parse_buckets(os.environ.get(env), env, what)
-        if override == "pow2":
-            merged[key] = pow2()
-        elif override is not None:
-            merged[key] = override
-    return ShapePolicy(tuple(merged["prompt_buckets"]), tuple(merged["batch_buckets"]))
-
-
-_warned_beyond: set[tuple[str, int]] = set()
+    if answer is not None and (not isinstance(answer, dict) or set(answer) - set(_KEYS)):
+        raise ValueError(
+            f"neuron_generation_shape_policy returned {answer!r}: expected a dict with keys among {list(_KEYS)}"
+        )
+    pow2: dict[str, Callable[[], tuple[int, ...]]] = {
+        "prompt_buckets": lambda: pow2_prompt_buckets(max_position_embeddings),
+        "batch_buckets": pow2_batch_buckets,
+    }
+    chosen = {}
+    for key in _KEYS:
+        spec = settings.resolve(key, hook=lambda k=key: (answer or {}).get(k)).value
+        chosen[key] = pow2[key]() if spec == settings.POW2 else spec
+    return ShapePolicy(chosen["prompt_buckets"], chosen["batch_buckets"])
 
 
 def warn_beyond_largest(kind: str, value: int, buckets: Sequence[int], env: str) -> None:
     """Once per (kind, value): this prompt length / batch size has no bucket and compiles at its own shape."""
-    key = (kind, value)
-    if key in _warned_beyond:
-        return
-    _warned_beyond.add(key)
-    logger.warning(
+    logs.once(
+        logger,
+        ("generation.beyond_largest", kind, value),
         "accelerate_neuron: generate() got a %s of %d, more than the largest bucket (%d); it runs unpadded and "
         "compiles its own graphs. Add a larger bucket with %s (now %s).",
         kind,

@@ -20,7 +20,7 @@ from typing import Any
 from ... import device
 from .state import MULTI_NEURON, distributed_type
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 DYNAMO_NEURON = "NEURON"
 

@@ -17,10 +17,10 @@ import logging
 import os
 from typing import Any
 
-from ... import device
+from ... import device, logs
 from ...sizes import parse_core_list
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"
 
@@ -133,12 +133,9 @@ def _module_device(module: Any) -> Any:
     return None
 
 
-_warned_ddp = False
-
 
 def wrap_ddp_init(original: Any) -> Any:
     def __init__(self: Any, module: Any, device_ids: Any = None, output_device: Any = None, *args: Any, **kwargs: Any):
-        global _warned_ddp
         where = _module_device(module)
         if where is not None and where.type == device.DEVICE_TYPE and device_ids is not None and len(device_ids) == 1:
             import torch
@@ -147,14 +144,15 @@ def wrap_ddp_init(original: Any) -> Any:
             given = device_ids[0]
             given_index = given.index if isinstance(given, torch.device) else given
             if given_index != wanted:
-                if not _warned_ddp:
-                    _warned_ddp = True
-                    logger.info(
-                        "accelerate_neuron: DistributedDataParallel got device_ids=%s for a module on %s; "
-                        "using the module's core (each process sees only its own Neuron core)",
-                        list(device_ids),
-                        where,
-                    )
+                logs.once(
+                    logger,
+                    "launch.ddp_device_ids",
+                    "accelerate_neuron: DistributedDataParallel got device_ids=%s for a module on %s; "
+                    "using the module's core (each process sees only its own Neuron core)",
+                    list(device_ids),
+                    where,
+                    level=logging.INFO,
+                )
                 device_ids = [wanted]
                 if output_device is not None:
                     output_device = wanted

@@ -23,7 +23,7 @@ from typing import Any
 from ... import device
 from ...sizes import format_size
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 #: Share of a core's budget the weights may use when choosing how many cores "auto" needs.
 HEADROOM = 0.9

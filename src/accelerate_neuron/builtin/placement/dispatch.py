@@ -30,7 +30,7 @@ from ... import device
 from .auto import auto_max_memory
 from .memory import visible_core
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 
 def normalise_device_map(device_map: Any, *, what: str = "device_map") -> Any:

@@ -17,14 +17,12 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ... import device
+from ... import device, logs
 from ...plugins import call_hook
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 HOST_KEYS = ("cpu", "disk")
-
-_warned: set[str] = set()
 
 
 class PlacementError(ValueError):
@@ -72,14 +70,14 @@ def core_budget(index: int) -> int:
     if answer is None:
         return fallback
     if isinstance(answer, bool) or not isinstance(answer, (int, float)) or answer < 0:
-        if "budget" not in _warned:
-            _warned.add("budget")
-            logger.warning(
-                "accelerate_neuron: a neuron_memory_budget hook returned %r for core %d; expected bytes >= 0. "
-                "Using the built-in budget (free memory) instead; fix the plugin's hook.",
-                answer,
-                index,
-            )
+        logs.once(
+            logger,
+            "placement.budget",
+            "accelerate_neuron: a neuron_memory_budget hook returned %r for core %d; expected bytes >= 0. "
+            "Using the built-in budget (free memory) instead; fix the plugin's hook.",
+            answer,
+            index,
+        )
         return fallback
     return int(answer)
 
@@ -116,11 +114,12 @@ def _core_key(key: Any, cores: int) -> int:
             f"max_memory key {key!r} is not recognised on this Neuron host: use core indices "
             f"0..{cores - 1} (or 'neuron:0'..'neuron:{cores - 1}'), 'cpu' and 'disk' ({describe_visible(cores)})."
         )
-    if not 0 <= index < cores and f"invisible core {index}" not in _warned:
+    if not 0 <= index < cores:
         # Planning only converts sizes, as upstream's get_max_memory does for a GPU it cannot see (it warns
         # too): a plan may be made for another host. Carrying out a plan that uses the core raises.
-        _warned.add(f"invisible core {index}")
-        logger.warning(
+        logs.once(
+            logger,
+            ("placement.invisible_core", index),
             "accelerate_neuron: max_memory key %r names Neuron core %d, which is not visible (%s); planning "
             "goes on, but placing anything there will fail.",
             key,

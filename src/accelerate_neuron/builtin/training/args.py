@@ -29,21 +29,14 @@ import logging
 import os
 from typing import Any
 
-from ... import device
+from ... import device, logs
 from .compile_config import train_compile_config
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 EXPLICIT_ATTR = "_accelerate_neuron_explicit"
 DROP_LAST_ATTR = "_accelerate_neuron_drop_last"
 _TRUE = ("1", "true", "yes", "on", "y", "t")
-_logged: set[str] = set()
-
-
-def _log_once(key: str, message: str, *args: Any) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.warning(message, *args)
 
 
 # ------------------------------------------------------------ explicit fields
@@ -152,8 +145,9 @@ def _default_drop_last(args: Any) -> None:
     if wanted and not args.dataloader_drop_last:
         args.dataloader_drop_last = True
         args.__dict__[DROP_LAST_ATTR] = True
-        _log_once(
-            "drop_last",
+        logs.once(
+            logger,
+            "training.drop_last",
             "accelerate_neuron: dataloader_drop_last=True (was unset): with torch_compile on Neuron a smaller last "
             "training batch is one more compiled graph. Evaluation still sees every sample. To keep the last batch, "
             "pass dataloader_drop_last=False.",

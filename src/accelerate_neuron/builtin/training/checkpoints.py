@@ -26,11 +26,12 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-logger = logging.getLogger("accelerate_neuron")
+from ... import logs
+
+logger = logging.getLogger(__name__)
 
 #: Written last by every Trainer release: its presence (and parsing) marks a finished checkpoint.
 STATE_FILE = "trainer_state.json"
-_warned: set[tuple[str, ...]] = set()
 
 
 def incomplete(path: str) -> str | None:
@@ -97,11 +98,9 @@ def _newest_complete_of(
 
 
 def _warn(folder: str, skipped: list[str], picked: str | None) -> None:
-    key = (folder, *skipped)
-    if key in _warned:
-        return
-    _warned.add(key)
-    logger.warning(
+    logs.once(
+        logger,
+        ("checkpoints.partial", folder, *skipped),
         "accelerate_neuron: in %s, skipped partial checkpoint(s) %s; %s. Delete the partial folder(s) once you "
         "no longer need them.",
         folder,
@@ -167,13 +166,12 @@ def _newest_complete(accelerator: Any) -> str | None:
         return picked
     if skipped:
         # Nothing passes (e.g. each node's disk holds only its own ranks' files): upstream's choice, said.
-        key = (folder, "none complete", *skipped)
-        if key not in _warned:
-            _warned.add(key)
-            logger.warning(
-                "accelerate_neuron: in %s no checkpoint looks complete to this process (%s); load_state() "
-                "takes the highest one as upstream does.",
-                folder,
-                ", ".join(skipped),
-            )
+        logs.once(
+            logger,
+            ("checkpoints.none_complete", folder, *skipped),
+            "accelerate_neuron: in %s no checkpoint looks complete to this process (%s); load_state() "
+            "takes the highest one as upstream does.",
+            folder,
+            ", ".join(skipped),
+        )
     return None

@@ -20,13 +20,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ... import device
+from ...files import replacing
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 #: Key of the Neuron states in Trainer's ``rng_state.pth`` (upstream names each device by its type).
 TRAINER_KEY = "neuron"
@@ -70,14 +70,8 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     """``torch.save`` to a temporary file next to ``path``, then rename: never a half-written file."""
     import torch
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    with replacing(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ------------------------------------------------------------------ Trainer

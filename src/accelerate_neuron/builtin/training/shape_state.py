@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from ...files import write_atomically
 from .shapes import BUCKETS_ENV, ShapePolicy, _validate
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 POLICY_FILE = "neuron_shape_policy.json"
 _FIELDS = ("buckets", "pad_to_multiple_of", "drop_last", "pad_values")
@@ -46,16 +46,7 @@ def same_shapes(a: ShapePolicy, b: ShapePolicy) -> bool:
 
 def save(policy: ShapePolicy, checkpoint: str | os.PathLike[str]) -> Path:
     """Write ``policy`` into ``checkpoint`` atomically (a kill mid-write leaves no torn file)."""
-    path = Path(checkpoint) / POLICY_FILE
-    fd, tmp = tempfile.mkstemp(prefix=f".{POLICY_FILE}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(to_record(policy), f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomically(Path(checkpoint) / POLICY_FILE, json.dumps(to_record(policy), indent=2))
 
 
 def load(checkpoint: str | os.PathLike[str]) -> ShapePolicy | None:
@@ -83,11 +74,11 @@ def adopt(current: ShapePolicy, saved: ShapePolicy | None) -> ShapePolicy | None
     """The policy a resumed run uses instead of ``current``, or None to keep ``current``."""
     if saved is None or same_shapes(saved, current):
         return None
-    if current.source.startswith(BUCKETS_ENV):
+    if current.explicit:
         logger.warning(
             "accelerate_neuron: resuming with %s (buckets %s), not the checkpoint's buckets %s: the resumed steps "
             "compile new graphs and their losses may differ in the last bits from an uninterrupted run. Unset "
-            "%s to resume exactly.",
+            "%s (or train_buckets in neuron_config) to resume exactly.",
             current.source,
             list(current.buckets),
             list(saved.buckets),

@@ -9,26 +9,26 @@ with -100, so the model never attends to the added positions and the loss
 ignores them (the loss is unchanged; padding on the right keeps every real
 token at its position, which matters for absolute position embeddings).
 
-The policy comes from, in order: ``ACCELERATE_NEURON_TRAIN_BUCKETS`` (the
-user's explicit choice), a plugin's ``neuron_training_shape_policy`` hook, the
-built-in default (powers of two from 64 up to the model's maximum length).
+The buckets come from the ``train_buckets`` setting (:mod:`accelerate_neuron.settings`:
+the environment, then a config file, then the ``neuron_training_shape_policy``
+hook, then the built-in powers of two from 64 up to the model's maximum
+length); the hook also answers the rest of the policy.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("accelerate_neuron")
+from ... import logs, settings
 
-BUCKETS_ENV = "ACCELERATE_NEURON_TRAIN_BUCKETS"
+logger = logging.getLogger(__name__)
+
+BUCKETS_ENV = settings.env_name("train_buckets")
 MIN_BUCKET = 64
 FALLBACK_MAX_LENGTH = 8192
-_OFF = ("off", "none", "no", "false", "0")
 _POLICY_KEYS = ("buckets", "pad_to_multiple_of", "drop_last", "pad_values")
 
 #: Pad value of each sequence-shaped batch key; ``"pad"`` means the tokenizer's pad token id.
@@ -60,6 +60,7 @@ class ShapePolicy:
     drop_last: bool = True
     pad_values: Mapping[str, int | float] = field(default_factory=dict)
     source: str = "built-in default"
+    explicit: bool = False  # the buckets are the user's own choice (environment or config file)
 
     @property
     def active(self) -> bool:
@@ -84,8 +85,8 @@ class ShapePolicy:
         return bool(step) and beyond and length % step == 0
 
 
-def default_policy(max_length: int | None) -> dict[str, Any]:
-    """Powers of two from 64 up to ``max_length`` (and ``max_length`` itself), drop_last on."""
+def pow2_buckets(max_length: int | None) -> list[int]:
+    """Powers of two from 64 up to ``max_length``, and ``max_length`` itself."""
     limit = max_length if max_length and max_length > 0 else FALLBACK_MAX_LENGTH
     buckets = []
     size = MIN_BUCKET
@@ -93,29 +94,18 @@ def default_policy(max_length: int | None) -> dict[str, Any]:
         buckets.append(size)
         size *= 2
     buckets.append(limit)
-    return {"buckets": buckets, "pad_to_multiple_of": None, "drop_last": True, "pad_values": {}}
+    return buckets
+
+
+def default_policy(max_length: int | None) -> dict[str, Any]:
+    """Powers of two from 64 up to ``max_length`` (and ``max_length`` itself), drop_last on."""
+    return {"buckets": pow2_buckets(max_length), "pad_to_multiple_of": None, "drop_last": True, "pad_values": {}}
 
 
 def _positive_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{what} = {value!r}: expected a positive int")
     return value
-
-
-def parse_buckets_env(value: str) -> tuple[int, ...]:
-    """``ACCELERATE_NEURON_TRAIN_BUCKETS``: ``"128,256,512"``, or ``off`` for no bucketing."""
-    text = value.strip().lower()
-    if text in _OFF:
-        return ()
-    out = []
-    for part in text.replace(" ", "").split(","):
-        if not part.isdigit() or int(part) <= 0:
-            raise ValueError(
-                f"{BUCKETS_ENV}={value!r}: expected comma-separated positive lengths such as 128,256,512, "
-                f"or 'off' to keep the collator's shapes"
-            )
-        out.append(int(part))
-    return tuple(sorted(set(out)))
 
 
 def _validate(answer: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -129,7 +119,12 @@ def _validate(answer: Mapping[str, Any], source: str) -> dict[str, Any]:
             buckets = ()
         if not isinstance(buckets, Iterable) or isinstance(buckets, str | bytes):
             raise ValueError(f"{source}['buckets'] = {buckets!r}: expected a list of positive ints")
-        out["buckets"] = tuple(sorted({_positive_int(b, f"{source}['buckets'] item") for b in buckets}))
+        try:
+            out["buckets"] = settings.parse_buckets(list(buckets))
+        except ValueError:
+            raise ValueError(
+                f"{source}['buckets'] = {buckets!r}: expected strictly ascending positive ints (empty: off)"
+            ) from None
     if "pad_to_multiple_of" in answer:
         step = answer["pad_to_multiple_of"]
         out["pad_to_multiple_of"] = None if step is None else _positive_int(step, f"{source}['pad_to_multiple_of']")
@@ -148,7 +143,7 @@ def _validate(answer: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 def resolve_policy(max_length: int | None) -> ShapePolicy:
-    """The shape policy for a model of ``max_length`` tokens: env, then plugins, then the default."""
+    """The shape policy for a model of ``max_length`` tokens (buckets: the ``train_buckets`` setting)."""
     from ...plugins import call_hook
 
     merged = _validate(default_policy(max_length), "the built-in policy")
@@ -160,13 +155,14 @@ def resolve_policy(max_length: int | None) -> ShapePolicy:
         if answer != default_policy(max_length):
             source = "neuron_training_shape_policy hook"
         merged.update(_validate(answer, "neuron_training_shape_policy"))
-    env = os.environ.get(BUCKETS_ENV, "").strip()
-    if env:
-        merged["buckets"] = parse_buckets_env(env)
-        source = f"{BUCKETS_ENV}={env}"
+    chosen = settings.explicit("train_buckets")
+    if chosen is not None:
+        spec = chosen.value
+        merged["buckets"] = tuple(pow2_buckets(max_length)) if spec == settings.POW2 else spec
+        source = chosen.describe()
         if not merged["buckets"]:
             merged["pad_to_multiple_of"] = None
-    return ShapePolicy(source=source, **merged)
+    return ShapePolicy(source=source, explicit=chosen is not None, **merged)
 
 
 # ---------------------------------------------------------------- collators
@@ -202,22 +198,6 @@ def collator_max_length(collator: Any, model_max_length: int | None) -> int | No
     return min(lengths) if lengths else None
 
 
-@dataclass
-class _Once:
-    seen: set[str] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def first(self, key: str) -> bool:
-        with self.lock:
-            if key in self.seen:
-                return False
-            self.seen.add(key)
-            return True
-
-
-_once = _Once()
-
-
 class BucketingCollator:
     """Wraps a stock collator: its batches are right-padded to the policy's lengths."""
 
@@ -234,7 +214,7 @@ class BucketingCollator:
         try:
             return pad_batch(batch, self.policy, self.pad_values, self.multiple)
         except Exception:  # an unpadded batch costs a compile; a crash costs the run
-            if _once.first(f"failed:{type(self.collator).__name__}"):
+            if logs.first(("training.pad_failed", type(self.collator).__name__)):
                 logger.warning("accelerate_neuron: could not pad a batch to the length buckets", exc_info=True)
             return batch
 
@@ -272,7 +252,7 @@ def bucketing_collator(collator: Any, policy: ShapePolicy) -> BucketingCollator 
         return None
     stock = _stock_collator_types()
     if not stock or not isinstance(collator, stock):
-        if _once.first(f"custom:{type(collator).__name__}"):
+        if logs.first(("training.custom_collator", type(collator).__name__)):
             logger.info(
                 "accelerate_neuron: %s is not a stock padding collator; its batches keep their shapes "
                 "(pad them to a few fixed lengths yourself to avoid Neuron recompiles)",
@@ -304,7 +284,7 @@ def pad_batch(batch: Any, policy: ShapePolicy, pad_values: Mapping[str, Any], mu
     changed = {batch[k].shape[1] for k in targets}
     for key, value in batch.items():
         if key not in pad_values and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] in changed:
-            if _once.first(f"unknown:{key}"):
+            if logs.first(("training.unknown_key", key)):
                 logger.warning(
                     "accelerate_neuron: batch key %r has the sequence length but no known pad value, so batches "
                     "are not padded to length buckets; declare it with a neuron_training_shape_policy hook "

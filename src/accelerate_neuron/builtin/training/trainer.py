@@ -28,7 +28,7 @@ from .args import DROP_LAST_ATTR
 from .shapes import BUCKETS_ENV, ShapePolicy, bucketing_collator, collator_max_length, resolve_policy
 from .watchdog import RecompileWatchdog
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 _POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 _logged: set[str] = set()

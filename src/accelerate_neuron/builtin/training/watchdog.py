@@ -20,17 +20,18 @@ and only logged at debug level.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("accelerate_neuron")
+from ... import settings
 
-WARMUP_ENV = "ACCELERATE_NEURON_RECOMPILE_WARMUP"
-DEFAULT_WARMUP = 1
+logger = logging.getLogger(__name__)
+
+WARMUP_ENV = settings.env_name("recompile_warmup")
+DEFAULT_WARMUP = settings.setting("recompile_warmup").default
 
 Signature = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -78,12 +79,8 @@ def compile_count() -> int:
 
 
 def warmup_from_env() -> int:
-    raw = os.environ.get(WARMUP_ENV, "").strip()
-    if not raw:
-        return DEFAULT_WARMUP
-    if not raw.isdigit():
-        raise ValueError(f"{WARMUP_ENV}={raw!r}: expected a number of forward calls (>= 0), e.g. 1")
-    return int(raw)
+    """The ``recompile_warmup`` setting: forward calls before a new graph counts as a recompile."""
+    return settings.get("recompile_warmup")
 
 
 def signature(args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str] | None = None) -> Signature:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..generation import padding
+from ..generation import call as generate_call
 from ..generation.devices import model_device
 from . import session
 
@@ -115,11 +115,11 @@ def call_shape(model: Any, loop: str, arguments: dict[str, Any]) -> dict[str, An
     ids = arguments["input_ids"]
     config = arguments["generation_config"]
     model_kwargs = arguments.get("model_kwargs") or {}
-    plan = padding.current()
+    call = generate_call.current(model)
     columns, rows = int(ids.shape[1]), int(ids.shape[0])
-    if plan is not None:
-        columns += plan.pad
-        rows += plan.dummy
+    if call is not None:
+        columns += call.pad
+        rows += call.dummy
     processors = arguments.get("logits_processor")
     greedy = not getattr(config, "do_sample", False) and not any(
         getattr(config, k, False) for k in ("output_scores", "output_logits")

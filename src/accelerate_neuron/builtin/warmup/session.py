@@ -22,29 +22,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-logger = logging.getLogger("accelerate_neuron")
+from ... import settings
 
-PRECOMPILE_ENV = "ACCELERATE_NEURON_PRECOMPILE"
-PROGRESS_ENV = "ACCELERATE_NEURON_PRECOMPILE_PROGRESS"
-SCRATCH_ENV = "ACCELERATE_NEURON_PRECOMPILE_SCRATCH"
+logger = logging.getLogger(__name__)
 
-
-def parse_shard(raw: str) -> tuple[int, int]:
-    """``"i/N"`` (0 <= i < N) -> (i, N); ``"1"`` means ``0/1``."""
-    text = raw.strip()
-    if text in ("1", "true", "yes"):
-        return 0, 1
-    index, sep, count = text.partition("/")
-    try:
-        i, n = int(index), int(count)
-    except ValueError:
-        i, n = -1, 0
-    if not sep or n < 1 or not 0 <= i < n:
-        raise ValueError(
-            f"invalid {PRECOMPILE_ENV}={raw!r}: expected 'i/N' with 0 <= i < N (this worker's shard), e.g. '0/2', "
-            "or 1 for a single worker"
-        )
-    return i, n
+PRECOMPILE_ENV = settings.env_name("precompile")
+PROGRESS_ENV = settings.env_name("precompile_progress")
+SCRATCH_ENV = settings.env_name("precompile_scratch")
 
 
 @dataclass
@@ -103,17 +87,17 @@ def current() -> Session | None:
     with _lock:
         if _session is None and not _from_env_read:
             _from_env_read = True
-            raw = os.environ.get(PRECOMPILE_ENV, "").strip()
-            if raw and raw.lower() not in ("0", "false", "no", "off"):
-                index, count = parse_shard(raw)
-                _session = Session(index, count, os.environ.get(PROGRESS_ENV) or None, os.environ.get(SCRATCH_ENV))
+            shard = settings.get("precompile")
+            if shard is not None:
+                _session = Session(
+                    *shard, settings.get("precompile_progress") or None, settings.get("precompile_scratch") or None
+                )
         return _session
 
 
 def requested() -> bool:
     """Whether the environment asks for a warm-up (read without raising: the plugin's hook calls this)."""
-    raw = os.environ.get(PRECOMPILE_ENV, "").strip().lower()
-    return bool(raw) and raw not in ("0", "false", "no", "off")
+    return settings.get_quietly("precompile") is not None
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from typing import Any
 from . import session
 from .generation import model_tag
 
-logger = logging.getLogger("accelerate_neuron")
+logger = logging.getLogger(__name__)
 
 _KEPT = "_accelerate_neuron_warm_batches"
 _USER_OUTPUT = "_accelerate_neuron_user_output_dir"

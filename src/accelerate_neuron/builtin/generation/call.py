@@ -1,0 +1,314 @@
+"""One ``generate()`` call on Neuron, in one object: what it pads, where its tensors live, what comes back.
+
+The ``generate`` wrapper (:mod:`.wrappers`) opens a :class:`GenerateCall` for
+every call on a model that is on Neuron and makes it the current one for the
+duration (one context variable: threads and nested calls each have their
+own). Upstream's loop then calls the helpers this plugin wraps, and each
+wrapper is a thin adapter that asks the current call:
+
+- ``generate`` entered: :meth:`GenerateCall.open` brings the growing tensors
+  to the host and notes the prompt length and the caller's device;
+- ``_prepare_cache_for_generation``: :meth:`~GenerateCall.plan` decides the
+  prompt bucket (``pad`` columns), whether dummy rows may be added and whether
+  the prefill goes through upstream's compiled (chunked) path;
+- ``_get_cache`` (4.x) / ``_prepare_static_cache`` (5.x):
+  :meth:`~GenerateCall.cache_shape` picks the batch bucket (``dummy`` rows)
+  and the cache length;
+- ``prepare_inputs_for_generation``: :meth:`~GenerateCall.forward_inputs`
+  gives every forward the padded layout (:mod:`.padding`);
+- ``_sample``: :meth:`~GenerateCall.choose_greedy` decides whether the greedy
+  token is picked on the device;
+- ``get_compiled_call``: :meth:`~GenerateCall.compiled` cuts the dummy rows
+  or picks the greedy token after the compiled forward;
+- ``generate`` returns: :meth:`~GenerateCall.close` gives back the cache in
+  the caller's layout and the result on the caller's device.
+
+Upstream's loop itself works on the caller's own tensors throughout: stopping
+criteria, logits processors, streamers and every returned field see what they
+would without this plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import device as neuron_device
+from ... import logs
+from . import cache, devices, padding, shapes
+
+logger = logging.getLogger(__name__)
+
+#: Generation modes whose prompt may be bucketed, and those whose every forward runs through the compiled call.
+_PAD_MODES = frozenset({"greedy_search", "sample", "beam_search", "beam_sample"})
+_ROW_MODES = frozenset({"greedy_search", "sample"})
+#: Model inputs the padded layout knows how to extend; a tensor under any other name turns bucketing off.
+_KNOWN_TENSORS = frozenset({"input_ids", "attention_mask", "position_ids", "token_type_ids", "cache_position"})
+#: Ways of asking for assisted decoding, which keeps its sequence on the model's device (see ``open``).
+_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+_RETURNED_CACHE = ("past_key_values", "cache")
+
+_current: contextvars.ContextVar[GenerateCall | None] = contextvars.ContextVar(
+    "accelerate_neuron_generate_call", default=None
+)
+
+
+def current(model: Any = None) -> GenerateCall | None:
+    """The ``generate()`` call running in this context (of ``model``, if given), or None."""
+    call = _current.get()
+    if call is not None and model is not None and call.model is not model:
+        return None
+    return call
+
+
+@dataclass
+class GenerateCall:
+    """The state of one ``generate()`` call on Neuron; ``pad``/``dummy`` are decided before its cache is built."""
+
+    model: Any
+    device: torch.device  # the model's Neuron device
+    caller: torch.device | None = None  # where the result goes back (None: where upstream puts it)
+    prompt: int | None = None  # a decoder-only call's token prompt length (None: no prompt buckets)
+    policy: shapes.ShapePolicy | None = None
+    batch: int = 0  # rows upstream generates (after num_beams / num_return_sequences expansion)
+    pad: int = 0  # columns prepended to every forward
+    dummy: int = 0  # rows appended to every forward
+    filler: int = 0  # a valid token id for the pad columns (masked out: its value never matters)
+    chunked: bool = False  # the prefill goes through upstream's chunked (compiled) path
+    may_add_rows: bool = False  # every forward runs through the compiled call, where dummy rows are cut
+    greedy: bool = False  # ``_sample`` picks the greedy token on the device
+    forwards: int = 0  # forward inputs prepared so far (the first is the prefill's)
+
+    @property
+    def padded(self) -> bool:
+        return self.pad > 0 or self.dummy > 0
+
+    # ------------------------------------------------------------------ generate() entered
+
+    @classmethod
+    def open(
+        cls, model: Any, dev: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[GenerateCall, tuple[Any, ...], dict[str, Any]]:
+        """The call, and ``generate``'s arguments with the growing tensors where the hook wants them."""
+        call = cls(model, dev)
+        if _assisted(model, kwargs):
+            # Assisted decoding moves candidate ids to model.device and compares them with ids on the
+            # sequence's device (upstream, every release): its sequence stays where the caller put it.
+            return call, args, kwargs
+        args, kwargs, call.caller = devices.bring_home(model, dev, args, kwargs)
+        call.prompt = _prompt_length(model, args, kwargs)
+        return call, args, kwargs
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[GenerateCall]:
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+
+    # ------------------------------------------------------------------ _prepare_cache_for_generation
+
+    def plan(self, generation_config: Any, model_kwargs: dict[str, Any], mode: str) -> None:
+        """Decide ``pad``, whether rows may be added and the compiled prefill, before the cache is built."""
+        if not self.prompt:
+            return
+        reason = self._unbucketed_reason(generation_config, model_kwargs, mode)
+        if reason is not None:
+            logger.debug("accelerate_neuron: generate() prompt/batch buckets off for this call: %s", reason)
+            return
+        policy = shapes.resolve_policy(shapes.max_positions(self.model))
+        if not policy.prompt_buckets and not policy.batch_buckets:
+            return
+        self.policy = policy
+        if policy.prompt_buckets:
+            bucket = policy.prompt_bucket(self.prompt)
+            if bucket is None:
+                shapes.warn_beyond_largest(
+                    "prompt length", self.prompt, policy.prompt_buckets, shapes.PROMPT_BUCKETS_ENV
+                )
+            elif self.prompt > 1:  # a one-token prompt already has the decode step's shape
+                self.pad = bucket - self.prompt
+        # One chunk of the whole prompt: upstream then runs the prefill through the compiled call (both 4.x and
+        # 5.x compile chunked prefills), one graph per bucket. 4.x prefills all but the last token there.
+        # generate() works on its own copy of the generation config, so the caller's stays as it was.
+        if self.prompt > 1 and hasattr(generation_config, "prefill_chunk_size"):
+            generation_config.prefill_chunk_size = self.prompt
+            self.chunked = True
+        self.may_add_rows = (
+            self.chunked and bool(policy.batch_buckets) and mode in _ROW_MODES and self._compiles(generation_config)
+        )
+        pad_id = getattr(self.model.config, "pad_token_id", None)
+        vocab = getattr(self.model.config, "vocab_size", None)
+        self.filler = pad_id if isinstance(pad_id, int) and isinstance(vocab, int) and 0 <= pad_id < vocab else 0
+
+    def _unbucketed_reason(self, generation_config: Any, model_kwargs: dict[str, Any], mode: str) -> str | None:
+        if getattr(generation_config, "cache_implementation", None) != "static":
+            return "no static KV cache"
+        if any(model_kwargs.get(k) is not None for k in ("cache", "past_key_values", "cache_params")):
+            return "a cache passed by the caller"
+        if mode not in _PAD_MODES or getattr(generation_config, "is_assistant", False):
+            return f"generation mode {mode!r}"
+        if getattr(generation_config, "prefill_chunk_size", None) is not None:
+            return "prefill_chunk_size set by the caller"
+        if padding.returns_padded_shapes(generation_config):
+            return "attentions or hidden states requested (their shapes would show the padding)"
+        others = sorted(k for k, v in model_kwargs.items() if isinstance(v, torch.Tensor) and k not in _KNOWN_TENSORS)
+        if others:
+            return f"model inputs {others} (only token ids, masks and positions are padded)"
+        return None
+
+    def _compiles(self, generation_config: Any) -> bool:
+        """Whether every forward will run through upstream's compiled call (where dummy rows are cut).
+
+        Upstream's own test (``_valid_auto_compile_criteria``) needs the cache, which is not built yet; these
+        are its conditions for a static cache. :meth:`rows_confirmed` checks the answer once the cache exists.
+        """
+        if getattr(generation_config, "disable_compile", False) or devices.split_across_devices(self.model):
+            return False
+        quantizer = getattr(self.model, "hf_quantizer", None)
+        if quantizer is not None and not getattr(quantizer, "is_compileable", False):
+            return False
+        device_map = getattr(self.model, "hf_device_map", None)
+        if isinstance(device_map, dict):
+            places = {str(d) for d in device_map.values()}
+            if "disk" in places or ("cpu" in places and len(places) > 1):
+                return False
+        return True
+
+    def rows_confirmed(self, model_kwargs: dict[str, Any], generation_config: Any) -> bool:
+        """After the cache is built: False (and the rows given up) if upstream will not compile after all."""
+        if not self.dummy or self.model._valid_auto_compile_criteria(model_kwargs, generation_config):
+            return True
+        logger.debug("accelerate_neuron: generate() will not run compiled after all: batch buckets off for this call")
+        self.dummy = 0
+        self.may_add_rows = False
+        for key in ("cache", "past_key_values"):
+            model_kwargs.pop(key, None)
+        return False
+
+    def announce(self) -> None:
+        """One line, the first time a call is padded: what, and how to opt out."""
+        if not self.padded or self.policy is None:
+            return
+        policy = self.policy
+        logs.once(
+            logger,
+            "generation.buckets",
+            "accelerate_neuron: generate() on Neuron pads prompts to length buckets (%s) and batches to size "
+            "buckets (%s), and compiles the prefill, so varied prompts reuse a few compiled graphs (this call: "
+            "prompt %d -> %d tokens, batch %d -> %d rows; results are the unpadded ones). Opt out with %s=off and "
+            "%s=off.",
+            shapes.short(policy.prompt_buckets),
+            shapes.short(policy.batch_buckets),
+            self.prompt,
+            self.prompt + self.pad,
+            self.batch,
+            self.batch + self.dummy,
+            shapes.PROMPT_BUCKETS_ENV,
+            shapes.BATCH_BUCKETS_ENV,
+        )
+
+    # ------------------------------------------------------------------ the KV cache's shape
+
+    def cache_shape(self, batch: Any, requested: Any) -> tuple[Any, Any]:
+        """(batch, length) to allocate the static cache with: the batch bucket, and room for the pad slots."""
+        if isinstance(batch, int):
+            self.batch = batch
+            if self.may_add_rows and self.policy is not None:
+                bucket = self.policy.batch_bucket(batch)
+                if bucket is None:
+                    shapes.warn_beyond_largest("batch size", batch, self.policy.batch_buckets, shapes.BATCH_BUCKETS_ENV)
+                else:
+                    self.dummy = bucket - batch
+                    batch = bucket
+        if isinstance(requested, int):
+            requested += self.pad
+        return batch, requested
+
+    # ------------------------------------------------------------------ each forward
+
+    def forward_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict]:
+        """``prepare_inputs_for_generation``'s arguments, in the padded layout when this call is bucketed."""
+        first = self.forwards == 0
+        self.forwards += 1
+        if not (self.padded or self.chunked):
+            return args, kwargs
+        return padding.pad_forward_inputs(self, first, args, kwargs)
+
+    def choose_greedy(self, input_ids: Any, logits_processor: Any, config: Any) -> bool:
+        """Whether ``_sample`` may pick the argmax on the device and bring back one id per row.
+
+        Only when nothing on the host needs the logits row: greedy, no logits
+        processor, no scores/logits returned, and ids kept off the device.
+        """
+        self.greedy = False
+        if config is None or getattr(config, "do_sample", True):
+            return False
+        if getattr(config, "output_scores", False) or getattr(config, "output_logits", False):
+            return False
+        if getattr(config, "is_assistant", False):
+            return False
+        if logits_processor is None or len(logits_processor) != 0:
+            return False
+        if not isinstance(input_ids, torch.Tensor) or input_ids.device.type == neuron_device.DEVICE_TYPE:
+            return False
+        target = devices.tensor_device("logits", self.device)
+        self.greedy = target is not None and target.type == neuron_device.DEVICE_TYPE
+        return self.greedy
+
+    def compiled(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """Upstream's compiled forward, followed by the greedy pick on the device or the dummy rows' cut."""
+        if self.padded:
+            cache.make_room_for_buckets()
+        greedy = self.greedy
+        if not greedy and not self.dummy:
+            return call
+        rows = self.batch if self.dummy else None
+
+        def compiled_then_select(*args: Any, **kwargs: Any) -> Any:
+            outputs = call(*args, **kwargs)
+            if greedy:
+                return devices.select_greedy(outputs, rows)
+            return padding.cut_dummy_rows(outputs, self.batch, self.dummy)
+
+        return compiled_then_select
+
+    # ------------------------------------------------------------------ generate() returns
+
+    def close(self, result: Any) -> Any:
+        """The result as the caller expects it: a returned cache in their layout, on their device."""
+        if self.padded and isinstance(result, dict):
+            # 5.x: "cache" (and "past_key_values" an alias of it, not a key); 4.x: the latter.
+            for key in _RETURNED_CACHE:
+                if key in result.keys() and result[key] is not None:
+                    result[key] = padding.unpadded_cache(result[key], self.pad, self.batch)
+        return devices.send_back(result, self.caller)
+
+
+def _assisted(model: Any, kwargs: dict[str, Any]) -> bool:
+    configs = (kwargs.get("generation_config"), getattr(model, "generation_config", None))
+    return any(kwargs.get(k) is not None for k in _ASSISTED) or any(
+        getattr(c, k, None) is not None for c in configs for k in _ASSISTED[1:]
+    )
+
+
+def _prompt_length(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """Length of a decoder-only call's token prompt (None: nothing the prompt buckets apply to).
+
+    An encoder-decoder model's encoder input is bucketed instead (:func:`.padding.encoder_pad`).
+    """
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return None
+    value = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.is_floating_point():
+        return None
+    if kwargs.get("inputs_embeds") is not None:
+        return None
+    return int(value.shape[1])

@@ -1,0 +1,541 @@
+"""Every ``ACCELERATE_NEURON_*`` setting: one registry, one parser per kind, one precedence.
+
+A setting's value comes from, in order:
+
+1. the environment (``ACCELERATE_NEURON_PROMPT_BUCKETS=off``);
+2. the ``neuron_config:`` block of Accelerate's config file (keys are the
+   settings' names: ``prompt_buckets: [64, 256]``), once a config layer is
+   installed with :func:`use_config`;
+3. the plugin hook that answers it, if it has one (a third-party plugin's
+   answer beats the built-in one);
+4. the built-in default.
+
+The same words mean the same thing everywhere: a bucket list is ``pow2``,
+``off`` (also ``0``/``no``/``none``/``false``) or strictly ascending positive
+integers; a switch is ``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/
+``no``. A bad value raises :class:`SettingError` naming the setting, the value,
+where it came from and what is allowed.
+
+This module is part of the base layer: it imports nothing heavy (it runs on
+``import torch``) and the simulator may use it too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .sizes import parse_size
+
+PREFIX = "ACCELERATE_NEURON_"
+ON_WORDS = frozenset({"1", "on", "true", "yes"})
+OFF_WORDS = frozenset({"0", "off", "false", "no", "none"})
+POW2 = "pow2"
+
+#: A bucket list: ``"pow2"`` (the capability's powers of two) or ascending ints; ``()`` is off.
+BucketSpec = str | tuple[int, ...]
+
+
+class SettingError(ValueError):
+    """A setting has a value it does not accept."""
+
+    def __init__(self, setting: Setting, value: Any, origin: str, detail: str = "") -> None:
+        shown = f"{setting.env}={value!r}" if origin == "environment" else f"{setting.name}: {value!r} ({origin})"
+        choices = setting.choices.replace("`", "'")
+        message = f"invalid {shown}: expected {choices}"
+        super().__init__(f"{message}; {detail}" if detail else message)
+        self.setting = setting
+        self.value = value
+        self.origin = origin
+
+
+# ------------------------------------------------------------------ parsers (text from the environment, or
+# a YAML value from a config file; each returns the typed value or raises ValueError with a detail)
+
+
+def _words(value: Any) -> str:
+    return str(value).strip().lower()
+
+
+def parse_switch(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = _words(value)
+    if text in ON_WORDS:
+        return True
+    if text in OFF_WORDS:
+        return False
+    raise ValueError("")
+
+
+def parse_buckets(value: Any) -> BucketSpec:
+    """``"pow2"``, ``()`` for off, or a strictly ascending tuple of positive ints."""
+    if value is False or value is None:
+        return ()
+    if isinstance(value, str):
+        text = _words(value)
+        if text == POW2:
+            return POW2
+        if text in OFF_WORDS:
+            return ()
+        parts = [p.strip() for p in text.split(",")]
+        if not all(p.isdigit() for p in parts):
+            raise ValueError("")
+        values: Sequence[Any] = [int(p) for p in parts]
+    elif isinstance(value, Sequence):
+        values = list(value)
+    else:
+        raise ValueError("")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
+        raise ValueError("")
+    if list(values) != sorted(set(values)):
+        raise ValueError("these are out of order, or a bucket repeats")
+    return tuple(values)
+
+
+def parse_count(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("")
+    text = str(value).strip()
+    if not text.isdigit():
+        raise ValueError("")
+    return int(text)
+
+
+def parse_text(value: Any) -> str:
+    return str(value).strip()
+
+
+def parse_size_text(value: Any) -> str:
+    text = str(value).strip()
+    try:
+        if parse_size(text) <= 0:
+            raise ValueError("")
+    except ValueError:
+        raise ValueError("") from None
+    return text
+
+
+_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def parse_level(value: Any) -> str:
+    text = _words(value)
+    if text not in _LEVELS:
+        raise ValueError("")
+    return text.upper()
+
+
+@dataclass(frozen=True)
+class Plugins:
+    """``ACCELERATE_NEURON_DISABLE``: every patch off (``all``), or the plugin names to skip."""
+
+    all: bool
+    names: frozenset[str]
+
+
+def parse_plugins(value: Any) -> Plugins:
+    if isinstance(value, bool):
+        return Plugins(value, frozenset())
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return Plugins(False, frozenset(_words(v) for v in value if _words(v)))
+    text = _words(value)
+    if text in ON_WORDS or text == "all":
+        return Plugins(True, frozenset())
+    if text in OFF_WORDS or text == "":
+        return Plugins(False, frozenset())
+    # Names are checked against the plugins that exist when they load (unknown ones are reported then).
+    return Plugins(False, frozenset(n.strip() for n in text.split(",") if n.strip()))
+
+
+def parse_shard(value: Any) -> tuple[int, int] | None:
+    """``"i/N"`` (0 <= i < N) -> (i, N); ``1`` means ``0/1``; off words -> None."""
+    text = _words(value)
+    if text in OFF_WORDS or text == "":
+        return None
+    if text in ON_WORDS:
+        return 0, 1
+    index, sep, count = text.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit() or not 0 <= int(index) < int(count):
+        raise ValueError("")
+    return int(index), int(count)
+
+
+# ------------------------------------------------------------------ the registry
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``ACCELERATE_NEURON_*`` setting."""
+
+    name: str  # lowercase, the key in a ``neuron_config:`` block
+    parse: Callable[[Any], Any]
+    default: Any
+    choices: str  # what is allowed, for errors and the reference table
+    help: str
+    section: str  # where the reference groups it
+    default_text: str = ""  # the default as a user reads it, when ``default`` is not that
+    hook: str = ""  # the plugin hook that answers it (precedence 3)
+    config: bool = True  # may be set in ``neuron_config:`` (False: set by a command or for development)
+
+    @property
+    def env(self) -> str:
+        return PREFIX + self.name.upper()
+
+    @property
+    def shown_default(self) -> str:
+        if self.default_text:
+            return self.default_text
+        return "unset" if self.default in (None, "") else f"`{self.default}`"
+
+
+_BUCKETS = "`pow2`, `off`, or strictly ascending positive integers separated by commas"
+_SWITCH = "1, on, true or yes; 0, off, false or no"
+
+SETTINGS: tuple[Setting, ...] = (
+    # --- activation and the device
+    Setting(
+        "disable",
+        parse_plugins,
+        Plugins(False, frozenset()),
+        "`1`/`all` (no patch), `0`/unset (every plugin), or plugin names separated by commas, e.g. "
+        "`placement,generation`",
+        "Apply no patch (`1`/`all`), or skip the named plugins (built-in or third-party). The simulated device "
+        "still registers: it is a device, not a patch.",
+        "activation",
+        default_text="unset (every plugin on)",
+        config=False,
+    ),
+    Setting(
+        "simulate",
+        parse_count,
+        0,
+        "a number of cores (`0`: off), e.g. `4`",
+        "With no real Neuron device, register the simulated device with this many cores on `import torch`.",
+        "activation",
+        default_text="unset (no simulated device)",
+        config=False,
+    ),
+    Setting(
+        "sim_hbm",
+        parse_size_text,
+        "24GiB",
+        "a positive size such as `24GiB`, `512MiB`, `300KB`",
+        "Simulated memory per core (default: a trn2 logical core at LNC=2).",
+        "activation",
+        config=False,
+    ),
+    Setting(
+        "cache_dir",
+        parse_text,
+        "",
+        "a folder",
+        "Where the simulated device's compiled library, the demo's toy model and (unless "
+        "`TORCH_NEURONX_NEFF_CACHE_DIR` is set) the simulated NEFF cache are kept.",
+        "activation",
+        default_text="`$XDG_CACHE_HOME/accelerate_neuron` (`~/.cache/accelerate_neuron`)",
+        config=False,
+    ),
+    Setting(
+        "log_level",
+        parse_level,
+        "",
+        "`debug`, `info`, `warning`, `error` or `critical`",
+        "Level of the `accelerate_neuron` loggers (the messages a patch, a bucket or a recompile logs).",
+        "activation",
+        default_text="unset (Python's logging configuration decides; warnings show)",
+    ),
+    # --- generate()
+    Setting(
+        "static_cache",
+        parse_switch,
+        True,
+        _SWITCH,
+        "`generate()` on Neuron uses a static KV cache when the caller chose none (a dynamic cache changes shape "
+        'every token); `0` keeps upstream\'s choice. `cache_implementation="dynamic"` opts one call out.',
+        "generation",
+        default_text="on",
+    ),
+    Setting(
+        "cache_buckets",
+        parse_buckets,
+        POW2,
+        _BUCKETS,
+        "Static KV-cache lengths `generate()` rounds up to (`pow2`: powers of two from 64). A longer request gets "
+        "its own length, with a warning.",
+        "generation",
+        hook="neuron_static_cache_length",
+    ),
+    Setting(
+        "prompt_buckets",
+        parse_buckets,
+        POW2,
+        _BUCKETS,
+        "Prompt lengths `generate()` pads to, on the left (`pow2`: 32, 64, ... up to `max_position_embeddings`); "
+        "an encoder-decoder's encoder input is padded on the right.",
+        "generation",
+        hook="neuron_generation_shape_policy",
+    ),
+    Setting(
+        "batch_buckets",
+        parse_buckets,
+        POW2,
+        _BUCKETS,
+        "Batch sizes `generate()` pads to with dummy rows (`pow2`: 1, 2, 4, ... 256).",
+        "generation",
+        hook="neuron_generation_shape_policy",
+    ),
+    # --- training
+    Setting(
+        "train_buckets",
+        parse_buckets,
+        POW2,
+        _BUCKETS,
+        "Lengths a compiled training batch is right-padded to (`pow2`: 64, 128, ... up to the model's maximum "
+        "length). A resumed run adopts its checkpoint's buckets unless this is set.",
+        "training",
+        hook="neuron_training_shape_policy",
+    ),
+    Setting(
+        "recompile_warmup",
+        parse_count,
+        1,
+        "a number of calls (>= 0), e.g. `1`",
+        "Calls of a compiled model before a new graph counts as a recompile and is warned about.",
+        "training",
+    ),
+    # --- set by the commands (children read them); listed so that `env` and the reference know them
+    Setting(
+        "report_dir",
+        parse_text,
+        "",
+        "a folder",
+        "Where simulated processes write their dry-run records (set by `accelerate-neuron simulate`).",
+        "commands",
+        config=False,
+    ),
+    Setting(
+        "precompile",
+        parse_shard,
+        None,
+        "`i/N` with 0 <= i < N, `1` (one worker), or `0`/unset",
+        "Run the script in warm-up mode as worker i of N (set by `accelerate-neuron precompile`).",
+        "commands",
+        config=False,
+    ),
+    Setting(
+        "precompile_progress",
+        parse_text,
+        "",
+        "a file",
+        "Where a warm-up worker reports its progress (set by `accelerate-neuron precompile`).",
+        "commands",
+        config=False,
+    ),
+    Setting(
+        "precompile_scratch",
+        parse_text,
+        "",
+        "a folder",
+        "Scratch folder of a warm-up worker (set by `accelerate-neuron precompile`).",
+        "commands",
+        config=False,
+    ),
+    # --- development
+    Setting(
+        "sim_asan",
+        parse_switch,
+        False,
+        _SWITCH,
+        "Build and load the AddressSanitizer flavour of the simulated device (see Development).",
+        "development",
+        default_text="off",
+        config=False,
+    ),
+    Setting(
+        "test_raise_in_activation",
+        parse_switch,
+        False,
+        _SWITCH,
+        "Make activation raise, to test that `import torch` survives it.",
+        "development",
+        default_text="off",
+        config=False,
+    ),
+)
+
+_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def setting(name: str) -> Setting:
+    """The registered setting ``name`` (``"prompt_buckets"``; its variable name is accepted too)."""
+    key = name[len(PREFIX) :].lower() if name.startswith(PREFIX) else name
+    try:
+        return _BY_NAME[key]
+    except KeyError:
+        raise KeyError(f"no accelerate-neuron setting named {name!r}; known: {', '.join(_BY_NAME)}") from None
+
+
+def env_name(name: str) -> str:
+    return setting(name).env
+
+
+# ------------------------------------------------------------------ layers
+
+
+@dataclass(frozen=True)
+class Value:
+    """A setting's value and where it came from."""
+
+    value: Any
+    source: str  # "environment", "config", "hook" or "default"
+    detail: str = ""  # e.g. "ACCELERATE_NEURON_PROMPT_BUCKETS=off", the config file, the hook's name
+
+    @property
+    def explicit(self) -> bool:
+        """Chosen by the user (environment or config file), not by a plugin or the default."""
+        return self.source in ("environment", "config")
+
+    def describe(self) -> str:
+        return self.detail or self.source
+
+
+#: The config-file layer: setting name -> raw value, and where it was read. Empty until installed.
+_config: tuple[Mapping[str, Any], str] = ({}, "")
+
+
+def use_config(values: Mapping[str, Any], origin: str) -> None:
+    """Install the config-file layer (``neuron_config:`` of Accelerate's config): checked, then kept."""
+    for key, raw in values.items():
+        try:
+            item = setting(key)
+        except KeyError:
+            known = ", ".join(s.name for s in SETTINGS if s.config)
+            raise ValueError(f"unknown key {key!r} in neuron_config ({origin}); known keys: {known}") from None
+        if not item.config:
+            raise ValueError(f"{key!r} cannot be set in neuron_config ({origin}): set {item.env} in the environment")
+        _parse(item, raw, f"neuron_config in {origin}")
+    global _config
+    _config = (dict(values), origin)
+
+
+def _parse(item: Setting, raw: Any, origin: str) -> Any:
+    try:
+        return item.parse(raw)
+    except ValueError as exc:
+        raise SettingError(item, raw, origin, str(exc)) from None
+
+
+def parse(name: str, raw: Any, origin: str = "environment") -> Any:
+    """``raw`` as setting ``name`` reads it, or :class:`SettingError` (``origin``: where the value came from)."""
+    return _parse(setting(name), raw, origin)
+
+
+def _raw_env(item: Setting) -> str | None:
+    raw = os.environ.get(item.env)
+    return raw if raw is not None and raw.strip() != "" else None
+
+
+def explicit(name: str) -> Value | None:
+    """The user's own choice (environment, then config file), parsed; None if they made none."""
+    item = setting(name)
+    raw = _raw_env(item)
+    if raw is not None:
+        return Value(_parse(item, raw, "environment"), "environment", f"{item.env}={raw}")
+    values, origin = _config
+    if item.name in values:
+        raw = values[item.name]
+        return Value(_parse(item, raw, f"neuron_config in {origin}"), "config", f"neuron_config in {origin}")
+    return None
+
+
+def resolve(name: str, hook: Callable[[], Any] | None = None) -> Value:
+    """The value in force: environment > config file > ``hook()`` (None: no answer) > default.
+
+    A hook's answer is checked by the same parser as the user's text, so a plugin
+    cannot set what a user could not.
+    """
+    chosen = explicit(name)
+    if chosen is not None:
+        return chosen
+    item = setting(name)
+    if hook is not None:
+        answer = hook()
+        if answer is not None:
+            return Value(_parse(item, answer, f"plugin hook {item.hook}"), "hook", f"plugin hook {item.hook}")
+    return Value(item.default, "default", "built-in default")
+
+
+def get(name: str) -> Any:
+    """The value in force of a setting no hook answers."""
+    return resolve(name).value
+
+
+def get_quietly(name: str) -> Any:
+    """:func:`get`, with the default in place of a bad value (for code that must never raise)."""
+    try:
+        return get(name)
+    except ValueError:
+        return setting(name).default
+
+
+def problems() -> list[str]:
+    """Every set value that does not parse (``accelerate-neuron env`` reports these)."""
+    out = []
+    for item in SETTINGS:
+        try:
+            explicit(item.name)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def unknown_variables() -> list[str]:
+    """``ACCELERATE_NEURON_*`` variables in the environment that name no setting (a typo, a removed one)."""
+    known = {s.env for s in SETTINGS}
+    return sorted(k for k in os.environ if k.startswith(PREFIX) and k not in known)
+
+
+def raw(name: str) -> tuple[Any, str] | None:
+    """The user's unparsed value of setting ``name`` and where it is set (``"environment"`` or the config file)."""
+    item = setting(name)
+    text = _raw_env(item)
+    if text is not None:
+        return text, "environment"
+    values, origin = _config
+    if item.name in values:
+        return values[item.name], f"neuron_config in {origin}"
+    return None
+
+
+def effective() -> Iterator[tuple[Setting, Value | None, str]]:
+    """Each setting with the user's value (None: not set) and an error text ("" if it parses)."""
+    for item in SETTINGS:
+        try:
+            yield item, explicit(item.name), ""
+        except ValueError as exc:
+            yield item, None, str(exc)
+
+
+#: Where README keeps the generated table (:func:`reference_block` prints it).
+TABLE_START = "<!-- settings table: generated from accelerate_neuron.settings (reference_block()), do not edit -->"
+TABLE_END = "<!-- end of settings table -->"
+
+
+def reference_table(section: str | None = None) -> str:
+    """The settings as a Markdown table (README's and the docs' reference are generated from this)."""
+    rows = ["| variable | values | default | what it does |", "|---|---|---|---|"]
+    for item in SETTINGS:
+        if section is not None and item.section != section:
+            continue
+        hook = f" A plugin can answer it through `{item.hook}`." if item.hook else ""
+        config = "" if item.config else " Environment only."
+        rows.append(f"| `{item.env}` | {item.choices} | {item.shown_default} | {item.help}{hook}{config} |")
+    return "\n".join(rows)
+
+
+def reference_block() -> str:
+    """README's generated settings block, markers included."""
+    return f"{TABLE_START}\n{reference_table()}\n{TABLE_END}"
