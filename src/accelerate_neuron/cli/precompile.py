@@ -71,7 +71,8 @@ def default_jobs() -> int:
     return max(1, min(cpus, 8))
 
 
-job_count = counting(f"a number of worker processes from 1 to {MAX_JOBS}", MAX_JOBS, f"at most {MAX_JOBS} workers")
+_WORKERS = f"a number of worker processes from 1 to {MAX_JOBS}"
+job_count = counting(_WORKERS, MAX_JOBS, f"expected {_WORKERS}")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
