@@ -24,7 +24,7 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "hookimpl", "precompile", "status"]
+__all__ = ["__version__", "disable_bucketing", "hookimpl", "precompile", "status"]
 
 _ENTRY_POINT = "import torch (torch.backends entry point)"
 
@@ -34,6 +34,17 @@ def status() -> Status:
     from .status_report import collect
 
     return collect()
+
+
+def disable_bucketing(model: Any, disabled: bool = True) -> Any:
+    """Run ``model``'s inference calls as upstream does: no length or batch buckets, no compiled forward.
+
+    ``disabled=False`` undoes it. Returns the model. For every model of the process, set
+    ``ACCELERATE_NEURON_BUCKET_FORWARDS=0``.
+    """
+    from .builtin.inference.call import disable
+
+    return disable(model, disabled)
 
 
 def precompile(target: Any, **options: Any) -> dict[str, Any]:

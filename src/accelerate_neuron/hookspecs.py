@@ -61,7 +61,10 @@ def neuron_generation_tensor_device(name: str, model_device: torch.device) -> to
 
 @hookspec(firstresult=True)
 def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
-    """Default ``torch.compile`` settings for ``purpose`` (``"generate"`` or ``"train"``).
+    """Default ``torch.compile`` settings for ``purpose`` (``"generate"``, ``"forward"`` or ``"train"``).
+
+    ``"forward"``: the bucketed inference calls (``model(...)`` without gradients,
+    pipelines, sentence-transformers).
 
     Keys: ``backend``, ``dynamic``, ``fullgraph``, ``mode``. The built-in
     answer is ``{"backend": "neuron", "dynamic": False, "fullgraph": False, "mode": None}``.

@@ -287,6 +287,17 @@ SETTINGS: tuple[Setting, ...] = (
         "generation",
         hook="neuron_generation_shape_policy",
     ),
+    Setting(
+        "bucket_forwards",
+        parse_switch,
+        True,
+        _SWITCH,
+        "Inference calls of a model on Neuron (`model(...)` without gradients, pipelines, sentence-transformers) "
+        "pad their inputs to the prompt and batch buckets and run compiled; `0` leaves them as upstream runs them. "
+        "`accelerate_neuron.disable_bucketing(model)` opts one model out.",
+        "inference",
+        default_text="on",
+    ),
     # --- training
     Setting(
         "train_buckets",

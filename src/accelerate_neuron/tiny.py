@@ -21,6 +21,8 @@ CORPUS = (
 )
 
 FAMILIES = ("qwen3", "llama", "gpt2", "t5")
+#: Encoder families :func:`encoder` builds (bidirectional models with heads for classification, tokens, masks, QA).
+ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2", "electra", "mpnet", "modernbert")
 
 
 def tokenizer(vocab_size: int = 384) -> Any:
@@ -142,4 +144,83 @@ def save_pretrained(path: str | os.PathLike[str], family: str = "qwen3", seed: i
     folder.mkdir(parents=True, exist_ok=True)
     model(family, seed=seed, **overrides).save_pretrained(folder)
     tokenizer().save_pretrained(folder)
+    return folder
+
+
+def encoder_tokenizer() -> Any:
+    """:func:`tokenizer` as an encoder's: padded on the right, with mask/CLS/SEP tokens and token type ids."""
+    tok = tokenizer()
+    tok.add_special_tokens({"mask_token": "<|mask|>", "cls_token": "<|bos|>", "sep_token": "<|eos|>"})
+    tok.padding_side = "right"
+    tok.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    return tok
+
+
+def encoder_config(family: str = "bert", vocab_size: int = 512, **overrides: Any) -> Any:
+    """A toy-size config of encoder ``family`` (one of :data:`ENCODERS`): 2 layers, hidden size 64."""
+    import transformers
+
+    sizes = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "max_position_embeddings": 256,
+        "pad_token_id": 0,
+    }
+    classes = {
+        "bert": (transformers.BertConfig, {}),
+        "roberta": (transformers.RobertaConfig, {}),
+        "xlm-roberta": (transformers.XLMRobertaConfig, {}),
+        "deberta-v2": (transformers.DebertaV2Config, {}),
+        "electra": (transformers.ElectraConfig, {"embedding_size": 64}),
+        "mpnet": (transformers.MPNetConfig, {}),
+        "modernbert": (
+            transformers.ModernBertConfig,
+            {
+                "global_attn_every_n_layers": 1,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "cls_token_id": 1,
+                "sep_token_id": 2,
+            },
+        ),
+    }
+    if family == "distilbert":
+        cls, kwargs = (
+            transformers.DistilBertConfig,
+            {
+                "vocab_size": vocab_size,
+                "dim": 64,
+                "n_layers": 2,
+                "n_heads": 4,
+                "hidden_dim": 128,
+                "max_position_embeddings": 256,
+                "pad_token_id": 0,
+            },
+        )
+    elif family in classes:
+        cls, extra = classes[family]
+        kwargs = {**sizes, **extra}
+    else:
+        raise ValueError(f"unknown tiny encoder family {family!r}; expected one of {', '.join(ENCODERS)}")
+    return cls(**{**kwargs, **overrides})
+
+
+def encoder(family: str = "bert", head: str = "AutoModel", seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised toy encoder of ``family`` with ``head`` (a Transformers ``Auto*`` class name)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    return getattr(transformers, head).from_config(encoder_config(family, **overrides)).eval()
+
+
+def save_encoder(path: str | os.PathLike[str], family: str = "bert", head: str = "AutoModel", **overrides: Any) -> Path:
+    """Write a tiny encoder and :func:`encoder_tokenizer` to ``path`` (for sentence-transformers, pipelines)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    encoder(family, head, **overrides).save_pretrained(folder)
+    encoder_tokenizer().save_pretrained(folder)
     return folder

@@ -2,8 +2,8 @@
 
 The ``generate`` wrapper (:mod:`.wrappers`) opens a :class:`GenerateCall` for
 every call on a model that is on Neuron and makes it the current one for the
-duration (one context variable: threads and nested calls each have their
-own). Upstream's loop then calls the helpers this plugin wraps, and each
+duration (the shape owner of :mod:`..scope`: threads and nested calls each have
+their own). Upstream's loop then calls the helpers this plugin wraps, and each
 wrapper is a thin adapter that asks the current call:
 
 - ``generate`` entered: :meth:`GenerateCall.open` brings the growing tensors
@@ -31,7 +31,6 @@ would without this plugin.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import torch
 
 from ... import device as neuron_device
 from ... import logs
+from .. import scope
 from . import cache, devices, padding, shapes
 
 logger = logging.getLogger(__name__)
@@ -54,15 +54,11 @@ _KNOWN_TENSORS = frozenset({"input_ids", "attention_mask", "position_ids", "toke
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 _RETURNED_CACHE = ("past_key_values", "cache")
 
-_current: contextvars.ContextVar[GenerateCall | None] = contextvars.ContextVar(
-    "accelerate_neuron_generate_call", default=None
-)
-
 
 def current(model: Any = None) -> GenerateCall | None:
     """The ``generate()`` call running in this context (of ``model``, if given), or None."""
-    call = _current.get()
-    if call is not None and model is not None and call.model is not model:
+    call = scope.owner()
+    if not isinstance(call, GenerateCall) or (model is not None and call.model is not model):
         return None
     return call
 
@@ -107,11 +103,9 @@ class GenerateCall:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[GenerateCall]:
-        token = _current.set(self)
-        try:
+        """This call owns the model calls of the block (:mod:`..scope`): no forward inside is padded again."""
+        with scope.owned_by(self):
             yield self
-        finally:
-            _current.reset(token)
 
     # ------------------------------------------------------------------ _prepare_cache_for_generation
 

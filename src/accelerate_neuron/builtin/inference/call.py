@@ -1,0 +1,343 @@
+"""One inference call of a model on Neuron, bucketed: padded inputs, a compiled forward, the caller's shapes back.
+
+A model called without gradients (``model(**batch)`` under ``torch.no_grad()``,
+a ``pipeline``, sentence-transformers' ``encode`` / ``predict``) would see every
+new sequence length and batch size as a new shape: a new graph, or new eager op
+compiles, on Neuron. A :class:`ForwardCall` instead
+
+1. decides whether the call can be padded invisibly (:meth:`ForwardCall.open`;
+   otherwise the reason is logged at debug level and upstream runs as it is);
+2. right-pads the sequence inputs (``input_ids``, ``attention_mask`` 0 on the
+   pad, ``token_type_ids``, ``position_ids``) to a length bucket and adds dummy
+   rows (copies of row 0) up to a batch bucket, on the host, then moves them to
+   the model's core: no device op depends on the real length;
+3. runs the forward compiled with the ``neuron_compile_config("forward")``
+   settings (one graph per length bucket x batch bucket), or eagerly for a model
+   split over several cores (still at the bucketed shapes);
+4. cuts every output back to the caller's rows and length (:mod:`.outputs`).
+
+Padding on the right keeps every real token at its position, and the attention
+mask keeps the real tokens from attending to the pad, so the results equal the
+unpadded call's up to float rounding (a softmax over a longer, masked row).
+The buckets are generate()'s (``prompt_buckets`` and ``batch_buckets``, same
+hook); ``bucket_forwards`` turns this off for the process, and
+:func:`accelerate_neuron.disable_bucketing` for one model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import types
+import weakref
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import device as neuron_device
+from ... import logs, settings
+from ...plugins import call_hook
+from .. import scope
+from ..generation import shapes
+from ..generation.cache import make_room_for_buckets
+from .outputs import Cut, Unplaced
+
+logger = logging.getLogger(__name__)
+
+#: Sequence-shaped inputs the padded layout knows, with their pad value (None: the model's pad token id).
+PAD_VALUES: dict[str, int | None] = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0}
+#: Keyword arguments that shape the output, not the input: passed through as given.
+_FLAGS = frozenset({"output_attentions", "output_hidden_states", "return_dict", "use_cache", "task"})
+#: A model (instance attribute) that must never be bucketed: :func:`disable` sets it.
+OPT_OUT_ATTR = "_accelerate_neuron_unbucketed"
+#: Set on a model whose outputs could not be cut back once: its calls run unpadded from then on.
+UNPLACED_ATTR = "_accelerate_neuron_unplaced"
+
+
+def disable(model: Any, disabled: bool = True) -> Any:
+    """Never bucket ``model``'s inference calls (``disabled=False`` undoes it); returns the model."""
+    object.__setattr__(model, OPT_OUT_ATTR, disabled)
+    return model
+
+
+def _skip(model: Any, reason: str) -> None:
+    logs.once(
+        logger,
+        ("inference.unbucketed", type(model).__name__, reason),
+        "accelerate_neuron: %s inference calls run unpadded: %s",
+        type(model).__name__,
+        reason,
+        level=logging.DEBUG,
+    )
+
+
+def model_device(model: Any) -> torch.device | None:
+    """The Neuron core holding ``model``'s first parameter, or None (not on Neuron)."""
+    for param in model.parameters():
+        return param.device if param.device.type == neuron_device.DEVICE_TYPE else None
+    return None
+
+
+@dataclass
+class ForwardCall:
+    """One bucketed inference call: what was padded, and how to cut the outputs back."""
+
+    model: Any
+    device: torch.device
+    inputs: dict[str, torch.Tensor]  # the caller's sequence inputs, by name
+    rows: int
+    length: int
+    compiled: bool = True  # False for a model split over several cores (a NEFF runs on one core)
+    padded_rows: int = 0
+    padded_length: int = 0
+
+    @classmethod
+    def open(cls, model: Any, inputs: Mapping[str, torch.Tensor], others: Mapping[str, Any]) -> ForwardCall | None:
+        """The call for these inputs, or None when padding would not be invisible (reason at debug level).
+
+        ``inputs``: the call's tensors by name; ``others``: its other arguments.
+        """
+        if getattr(model, OPT_OUT_ATTR, False) or getattr(model, UNPLACED_ATTR, None):
+            return None
+        dev = model_device(model)
+        if dev is None:
+            return None
+        config = getattr(model, "config", None)
+        if getattr(config, "is_encoder_decoder", False):
+            _skip(model, "an encoder-decoder model (generate() buckets its encoder input)")
+            return None
+        ids = inputs.get("input_ids")
+        if ids is None or ids.dim() != 2 or ids.is_floating_point():
+            _skip(model, "no 2-D token ids (inputs_embeds, images, audio ... keep their own shapes)")
+            return None
+        unknown = sorted(k for k in inputs if k not in PAD_VALUES)
+        if unknown:
+            _skip(model, f"inputs {unknown} (only token ids, masks, token types and positions are padded)")
+            return None
+        if any(v.shape != ids.shape for v in inputs.values()):
+            _skip(model, "inputs of different shapes")
+            return None
+        if others.get("past_key_values") is not None or others.get("use_cache") is True:
+            _skip(model, "a KV cache passed or asked for (its layout would show the padding)")
+            return None
+        if finds_last_token_by_pad(type(model)) and getattr(config, "pad_token_id", None) is None:
+            _skip(model, "a sequence classifier that finds each row's last token by the pad token, and no pad_token_id")
+            return None
+        split = len({p.device for p in model.parameters()}) > 1
+        return cls(model, dev, dict(inputs), rows=int(ids.shape[0]), length=int(ids.shape[1]), compiled=not split)
+
+    # ------------------------------------------------------------------ padding
+
+    def pad(self) -> dict[str, torch.Tensor]:
+        """The inputs at the bucketed shape, on the model's core."""
+        policy = shapes.resolve_policy(shapes.max_positions(self.model))
+        self.padded_length = self._bucket(policy.prompt_buckets, self.length, "sequence length")
+        self.padded_rows = self._bucket(policy.batch_buckets, self.rows, "batch size")
+        inputs = dict(self.inputs)
+        if "attention_mask" not in inputs and self.padded_length > self.length:
+            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        padded = {}
+        for name, value in inputs.items():
+            host = value.to("cpu")  # padded on the host: no device op sees the real length
+            if self.padded_length > self.length:
+                fill = PAD_VALUES[name]
+                if fill is None:
+                    fill = pad_id if isinstance(pad_id, int) and pad_id >= 0 else 0
+                host = torch.nn.functional.pad(host, (0, self.padded_length - self.length), value=fill)
+            if self.padded_rows > self.rows:  # copies of row 0: no row is all padding
+                host = torch.cat([host, host[:1].expand(self.padded_rows - self.rows, -1)])
+            padded[name] = host.to(self.device)
+        return padded
+
+    @property
+    def changes_shapes(self) -> bool:
+        return self.padded_rows != self.rows or self.padded_length != self.length
+
+    def _bucket(self, buckets: tuple[int, ...], value: int, what: str) -> int:
+        if not buckets:
+            return value
+        bucket = next((b for b in buckets if b >= value), None)
+        if bucket is None:
+            logs.once(
+                logger,
+                ("inference.beyond_largest", what, value),
+                "accelerate_neuron: an inference call got a %s of %d, more than the largest bucket (%d); it runs at "
+                "its own shape and compiles its own graph. Add a larger bucket with %s.",
+                what,
+                value,
+                buckets[-1],
+                shapes.PROMPT_BUCKETS_ENV if what == "sequence length" else shapes.BATCH_BUCKETS_ENV,
+            )
+            return value
+        return bucket
+
+    # ------------------------------------------------------------------ the forward
+
+    def run(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call`` (the model's own ``__call__``, bound) on the padded inputs, compiled unless split; cut back."""
+        forward = compiled_call(self.model, call) if self.compiled else call
+        with scope.owned_by(self):
+            outputs = forward(*args, **kwargs)
+        return Cut(self.rows, self.length, self.padded_rows, self.padded_length)(outputs)
+
+    def announce(self) -> None:
+        logs.once(
+            logger,
+            "inference.buckets",
+            "accelerate_neuron: inference calls on Neuron (model(...) without gradients, pipelines, "
+            "sentence-transformers) pad their inputs to length and batch buckets and run compiled, so varied inputs "
+            "reuse a few compiled graphs (this call: %s, length %d -> %d, batch %d -> %d; results are the unpadded "
+            "ones). Opt out with %s=0, or accelerate_neuron.disable_bucketing(model).",
+            type(self.model).__name__,
+            self.length,
+            self.padded_length,
+            self.rows,
+            self.padded_rows,
+            settings.env_name("bucket_forwards"),
+        )
+
+
+_compiled: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = weakref.WeakKeyDictionary()
+_compiled_lock = threading.Lock()
+
+
+def compiled_call(model: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    """``model``'s call compiled once with the ``neuron_compile_config("forward")`` settings.
+
+    Kept beside the model, not on it: a model must stay copyable and picklable.
+    """
+    with _compiled_lock:
+        compiled = _compiled.get(model)
+        if compiled is None:
+            make_room_for_buckets()
+            compiled = _compiled[model] = torch.compile(call, **compile_settings())
+    return compiled
+
+
+@functools.lru_cache(maxsize=256)
+def finds_last_token_by_pad(cls: type) -> bool:
+    """A decoder's sequence classifier: its forward finds each row's last token by looking for the pad token."""
+    if not cls.__name__.endswith("ForSequenceClassification"):
+        return False
+    try:
+        return "pad_token_id" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True  # cannot tell: treat it as one (then it is bucketed only with a pad_token_id)
+
+
+_COMPILE_KEYS = ("backend", "dynamic", "fullgraph", "mode", "options")
+
+
+def compile_settings() -> dict[str, Any]:
+    """``torch.compile`` keyword arguments from the ``neuron_compile_config(purpose="forward")`` hook."""
+    answer = call_hook("neuron_compile_config", purpose="forward") or {}
+    unknown = sorted(set(answer) - set(_COMPILE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"neuron_compile_config returned unknown key(s) {unknown} for 'forward'; allowed: {list(_COMPILE_KEYS)}"
+        )
+    values = {k: v for k, v in answer.items() if v is not None or k == "dynamic"}
+    values.setdefault("mode", "default")  # torch.compile passes any other mode to a non-inductor backend
+    return values
+
+
+# ------------------------------------------------------------------ the entry points
+
+
+def eligible(model: Any) -> bool:
+    """The cheap test every model call passes first: no gradients, eval mode, not owned by a call, not traced."""
+    return (
+        not torch.compiler.is_compiling()  # first: a traced call (generate's compiled step) is never padded again
+        and not torch.is_grad_enabled()
+        and not getattr(model, "training", True)
+        and scope.owner() is None
+        and settings.get_quietly("bucket_forwards")
+    )
+
+
+def bucketed(
+    model: Any, inputs: Mapping[str, torch.Tensor], others: Mapping[str, Any], run: Callable[[ForwardCall, dict], Any]
+) -> tuple[bool, Any]:
+    """(True, what ``run(call, padded)`` returns) for a call that can be bucketed, else (False, None)."""
+    call = ForwardCall.open(model, inputs, others)
+    if call is None:
+        return False, None
+    padded = call.pad()
+    if not call.changes_shapes and not call.compiled:
+        return False, None
+    try:
+        outputs = run(call, padded)
+    except Unplaced as exc:
+        object.__setattr__(model, UNPLACED_ATTR, str(exc))
+        _skip(model, f"its outputs cannot be cut back to the caller's shapes ({exc})")
+        return False, None
+    call.announce()
+    return True, outputs
+
+
+@functools.lru_cache(maxsize=256)
+def _parameters(cls: type) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(cls.forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return ()
+
+
+def wrap_model_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``PreTrainedModel.__call__``: a Transformers model called for inference on Neuron runs bucketed."""
+
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not eligible(self):
+            return original(self, *args, **kwargs)
+        names = _parameters(type(self))
+        if len(args) > len(names) or "attention_mask" not in names:
+            return original(self, *args, **kwargs)
+        given = {**dict(zip(names, args, strict=False)), **kwargs}
+        inputs = {k: v for k, v in given.items() if isinstance(v, torch.Tensor)}
+        others = {k: v for k, v in given.items() if not isinstance(v, torch.Tensor)}
+        if any(v is not None and k not in _FLAGS for k, v in others.items()):
+            return original(self, *args, **kwargs)  # an argument this layout does not know
+        config = getattr(self, "config", None)
+        wants_tuple = others.get("return_dict", getattr(config, "return_dict", True)) is False
+        flags = {k: v for k, v in others.items() if k in _FLAGS and v is not None}
+        flags["return_dict"] = True  # fields by name, to cut them; the tuple is made at the end if asked for
+
+        def run(call: ForwardCall, padded: dict[str, Any]) -> Any:
+            outputs = call.run(types.MethodType(original, self), **padded, **flags)
+            return outputs.to_tuple() if wants_tuple and hasattr(outputs, "to_tuple") else outputs
+
+        done, outputs = bucketed(self, inputs, others, run)
+        return outputs if done else original(self, *args, **kwargs)
+
+    return __call__
+
+
+def wrap_sentence_transformer_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    """sentence-transformers' ``BaseModel.__call__`` (SentenceTransformer, CrossEncoder, SparseEncoder): the
+    whole module chain (transformer, pooling, normalisation, score head) runs bucketed as one compiled call."""
+
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not eligible(self) or len(args) != 1 or not isinstance(args[0], MutableMapping):  # dict, BatchEncoding
+            return original(self, *args, **kwargs)
+        features = args[0]
+        tensors = {k: v for k, v in features.items() if isinstance(v, torch.Tensor)}
+        rest = {k: v for k, v in features.items() if not isinstance(v, torch.Tensor)}
+
+        def run(call: ForwardCall, padded: dict[str, Any]) -> Any:
+            outputs = call.run(types.MethodType(original, self), {**rest, **padded}, **kwargs)
+            # Upstream's modules add their outputs to the caller's dict; so does the bucketed call, keeping the
+            # caller's own input tensors.
+            features.update({k: v for k, v in outputs.items() if k not in tensors})
+            return features
+
+        done, outputs = bucketed(self, tensors, {}, run)
+        return outputs if done else original(self, *args, **kwargs)
+
+    return __call__
