@@ -173,3 +173,20 @@ def test_python_api_for_a_trainer_keeps_weights_and_output_folder(tmp_path: Path
     assert not any(out.glob("checkpoint-*")) and not (out / "model.safetensors").exists()
     assert args.output_dir == str(out)
     json.dumps(report)
+
+
+def test_inference_calls_precompiled_then_run_compiles_nothing(tmp_path: Path) -> None:
+    encoder = tiny.save_encoder(tmp_path / "encoder", "bert", "AutoModel")
+    classifier = tiny.save_encoder(tmp_path / "classifier", "bert", "AutoModelForSequenceClassification", num_labels=2)
+    cache = fresh_neff_cache_dir()
+    script = ["python", str(SCRIPTS / "precompile_embed.py"), str(encoder), str(classifier)]
+    two = precompile(cache, *script, jobs=2)
+    assert two["exit_codes"] == [0, 0] and not two["warnings"], two
+    # encode: buckets 32 and 64 at batch 4, the last batch of 2; the pipeline: buckets 32 and 64 at batch 1
+    assert two["shapes_by_kind"] == {"forward": 5} and two["warmed"] == 5, two
+
+    real = real_run(cache, *script)
+    assert (real["compiles"], real["eager_compiles"]) == (0, 0), real
+    assert set(real["graph_keys"]) == set(two["graph_keys"])
+    unwarmed = real_run(fresh_neff_cache_dir(), *script)
+    assert unwarmed["compiles"] == len(real["graph_keys"]) and unwarmed["checksum"] == real["checksum"]

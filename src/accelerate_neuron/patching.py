@@ -106,6 +106,11 @@ def _resolve(module_name: str, attr: str) -> tuple[Any, str, Any]:
     return owner, name, raw
 
 
+def _own(owner: Any, name: str) -> bool:
+    """Whether ``name`` is ``owner``'s own attribute (a class may only inherit it)."""
+    return not inspect.isclass(owner) or name in owner.__dict__
+
+
 def _unwrap_descriptor(raw: Any) -> tuple[Any, Callable[[Any], Any]]:
     if isinstance(raw, staticmethod):
         return raw.__func__, staticmethod
@@ -168,6 +173,7 @@ def apply(patch: Patch, plugin: str = "") -> PatchRecord:
             record.detail = problem
             _log_skip(record)
             return record
+        own = _own(owner, name)
         try:
             replacement = patch.wrap(func)
             try:
@@ -181,7 +187,8 @@ def apply(patch: Patch, plugin: str = "") -> PatchRecord:
             record.detail = f"could not apply ({type(exc).__name__}: {exc})"
             _log_skip(record)
             return record
-        record._undo.append((owner, name, raw))
+        # An attribute the class only inherited is removed again on revert, not pinned to the inherited value.
+        record._undo.append((owner, name, raw if own else _MISSING))
         for alias in patch.aliases:
             _patch_alias(alias, func, rewrap(replacement), record)
         record.status = "applied"
@@ -214,6 +221,8 @@ def patch_aliases_now(key: str, aliases: Sequence[str]) -> None:
             return
         owner, name, original = record._undo[0]
         replacement = owner.__dict__.get(name) if inspect.isclass(owner) else getattr(owner, name)
+        if original is _MISSING:  # inherited: the original is what the class resolved before the patch
+            original = getattr(replacement, "__wrapped__", None)
         original_func, _ = _unwrap_descriptor(original)
         for alias in aliases:
             if alias not in record.aliases:
@@ -237,7 +246,10 @@ def revert(key: str) -> bool:
         if record is None or record.status != "applied":
             return False
         for owner, name, original in reversed(record._undo):
-            setattr(owner, name, original)
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         record._undo.clear()
         record.aliases.clear()
         record.status = "reverted"

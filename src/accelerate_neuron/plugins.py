@@ -32,9 +32,9 @@ DISABLE_ENV = settings.env_name("disable")
 BUILTIN_PLUGINS: dict[str, str] = {
     "placement": "accelerate_neuron.builtin.placement",
     "generation": "accelerate_neuron.builtin.generation",
-    "inference": "accelerate_neuron.builtin.inference",
     "training": "accelerate_neuron.builtin.training",
     "launch": "accelerate_neuron.builtin.launch",
+    "inference": "accelerate_neuron.builtin.inference",
     "warmup": "accelerate_neuron.builtin.warmup",
 }
 

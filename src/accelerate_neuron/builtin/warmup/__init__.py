@@ -7,6 +7,9 @@ what the script does, so the real run finds them all in the NEFF cache:
 - ``generate()`` (:mod:`.generation`): one compiled prefill and one decode step
   per distinct (prompt bucket, batch bucket, cache bucket), a stand-in result of
   the real call's length;
+- bucketed inference calls (:mod:`.forward`): each distinct (model, length
+  bucket, batch bucket, arguments) compiled by one worker, stand-in outputs
+  elsewhere;
 - ``Trainer`` (:mod:`.training`): the Trainer's own steps over one batch per
   distinct length bucket (forward and backward), then the weights restored;
   ``evaluate()`` / ``predict()`` likewise; nothing written to the output folder.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from ...hookspecs import hookimpl
 from ...patching import Patch, apply
-from . import generation, session, training
+from . import forward, generation, session, training
 
 GEN = "transformers.generation.utils"
 _MIXIN = "GenerationMixin"
@@ -51,6 +54,20 @@ def generation_patches() -> list[Patch]:
             )
             for loop in ("_sample", "_beam_search")
         ),
+    ]
+
+
+def forward_patches() -> list[Patch]:
+    return [
+        Patch(
+            "accelerate_neuron.builtin.inference.call",
+            "ForwardCall.run",
+            forward.wrap_run,
+            reason="precompile: a bucketed inference call compiles its shape once across the workers; the other "
+            "workers get a stand-in output of the real structure and shape",
+            lacking="this package's inference plugin (a warm-up mode is this plugin's own)",
+            name="warmup.forward",
+        )
     ]
 
 
@@ -115,10 +132,10 @@ def training_patches() -> list[Patch]:
 def neuron_patches() -> list[Patch]:
     if not session.requested():
         return []
-    return [*generation_patches(), *training_patches()]
+    return [*generation_patches(), *forward_patches(), *training_patches()]
 
 
 def apply_patches(*, training_too: bool = False) -> None:
     """Apply the warm-up patches now (the Python API; a worker process gets them through ``neuron_patches``)."""
-    for patch in [*generation_patches(), *(training_patches() if training_too else [])]:
+    for patch in [*generation_patches(), *forward_patches(), *(training_patches() if training_too else [])]:
         apply(patch, plugin="warmup")

@@ -48,7 +48,7 @@ class Session:
 
         ``graphs``: how many graphs the shape compiles at most (priced by the cost model for the ETA).
         """
-        signature = json.dumps({"kind": kind, **shape}, sort_keys=True, default=str)
+        signature = _signature(kind, shape)
         with self.lock:
             if signature in self.seen:
                 return False
@@ -60,8 +60,12 @@ class Session:
             self.ran.append(signature)
         return mine
 
+    def owns(self, kind: str, shape: dict[str, Any]) -> bool:
+        """Whether this process warmed ``shape`` up (so its graph is compiled here already)."""
+        return _signature(kind, shape) in self.ran
+
     def done(self, kind: str, shape: dict[str, Any], seconds: float) -> None:
-        signature = json.dumps({"kind": kind, **shape}, sort_keys=True, default=str)
+        signature = _signature(kind, shape)
         self.emit({"event": "done", "index": self.seen.get(signature), "kind": kind, "seconds": round(seconds, 3)})
 
     def emit(self, event: dict[str, Any]) -> None:
@@ -74,6 +78,10 @@ class Session:
                 fh.write(line + "\n")
         except OSError as exc:  # progress is for the bar; the warm-up itself goes on
             logger.debug("accelerate_neuron: precompile progress not written (%s)", exc)
+
+
+def _signature(kind: str, shape: dict[str, Any]) -> str:
+    return json.dumps({"kind": kind, **shape}, sort_keys=True, default=str)
 
 
 _lock = threading.Lock()

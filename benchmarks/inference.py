@@ -1,0 +1,262 @@
+"""Inference calls on (simulated) Neuron: bucketed, compiled forwards vs stock upstream, in one run.
+
+Three jobs users run on Trainium/Inferentia, each with stock calls only, over texts whose token lengths are
+drawn from a lognormal distribution the defaults were not tuned for (median ``--median`` tokens, sigma 0.9,
+clipped to 4-250; each pass draws new texts from its own seed):
+
+- ``embed``: sentence-transformers ``SentenceTransformer(...).encode(texts, batch_size=32)`` (a BERT-style
+  encoder, mean pooling, normalisation);
+- ``classify``: ``pipeline("text-classification")`` called one text at a time (a chat or moderation service);
+- ``rerank``: ``CrossEncoder(...).rank(query, documents)`` with 32 documents per query.
+
+Each job runs ``--passes`` passes of ``--texts`` texts on a fresh model, Dynamo reset and a cold (memory-only) NEFF
+cache, twice: patched (accelerate-neuron as installed) and stock (every patch reverted in this process). Per pass:
+graphs compiled and eager op signatures compiled (what Neuron compiles), the cost model's compile time on Trainium
+(:mod:`accelerate_neuron.costs`), padding overhead (positions the forwards computed per real token: stock pads each
+batch to its longest text, patched to a bucket), and the largest difference from the CPU's results.
+
+    python benchmarks/inference.py [--texts 96] [--passes 3] [--median 24] [--seed 7] [--output FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+os.environ.setdefault("ACCELERATE_NEURON_SIMULATE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import torch
+import transformers
+
+import accelerate_neuron
+from accelerate_neuron import activation, costs, simulator, tiny
+from accelerate_neuron.builtin.inference import call as inference_call
+from accelerate_neuron.simulator import neff_cache
+
+WORDS = tiny.CORPUS.split()
+
+
+def texts(count: int, median: int, seed: int, tokenizer: Any) -> list[str]:
+    """``count`` texts whose token counts are lognormal around ``median`` (sigma 0.9, 4-250 tokens)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        want = max(4, min(250, int(rng.lognormvariate(np.log(median), 0.9))))
+        words: list[str] = []
+        while len(tokenizer(" ".join(words))["input_ids"]) < want:
+            words.append(rng.choice(WORDS))
+        out.append(" ".join(words))
+    return out
+
+
+class Positions:
+    """Real tokens and computed positions of every forward (the caller's shape, or the bucket's when patched)."""
+
+    def __init__(self) -> None:
+        self.real = 0
+        self.computed = 0
+
+    @contextlib.contextmanager
+    def counting(self, patched: bool) -> Iterator[None]:
+        """Count through the bucketed call's padding (patched) or every root model call (stock)."""
+        counter = self
+        if patched:
+            original_pad = inference_call.ForwardCall.pad
+
+            def pad(call: Any) -> Any:
+                padded = original_pad(call)
+                counter.real += (
+                    int(call.inputs["attention_mask"].to("cpu").sum()) if "attention_mask" in call.inputs else 0
+                )
+                counter.computed += call.padded_rows * call.padded_length
+                return padded
+
+            inference_call.ForwardCall.pad = pad
+            try:
+                yield
+            finally:
+                inference_call.ForwardCall.pad = original_pad
+            return
+        inside = []
+
+        def call(module: Any, *args: Any, **kwargs: Any) -> Any:
+            mask = kwargs.get("attention_mask")
+            if not inside and isinstance(mask, torch.Tensor) and mask.dim() == 2:  # a root call, at its own shape
+                counter.real += int(mask.to("cpu").sum())  # on the host: no eager op of ours counted
+                counter.computed += mask.numel()
+            inside.append(module)
+            try:
+                return torch.nn.Module.__call__(module, *args, **kwargs)
+            finally:
+                inside.pop()
+
+        assert "__call__" not in transformers.PreTrainedModel.__dict__, "stock means no accelerate-neuron patch"
+        transformers.PreTrainedModel.__call__ = call
+        try:
+            yield
+        finally:
+            del transformers.PreTrainedModel.__call__
+
+    @property
+    def overhead(self) -> float:
+        return self.computed / self.real if self.real else float("nan")
+
+
+#: A job: how to build its model on a device, and what one pass does with it (the results to compare).
+Job = tuple[Callable[[str], Any], Callable[[Any, list[str]], Any]]
+
+
+def run_job(name: str, job: Job, passes: list[list[str]], patched: bool) -> dict[str, Any]:
+    build, work = job
+    torch._dynamo.reset()
+    neff_cache.use(None)  # cold, memory-only: counts that do not depend on earlier runs
+    reference = build("cpu")
+    model = build("neuron")
+    positions = Positions()
+    rows = []
+    context = contextlib.nullcontext() if patched else activation.unpatched()
+    with context, positions.counting(patched):
+        for batch in passes:
+            simulator.reset_stats()
+            started = time.perf_counter()
+            got = work(model, batch)
+            seconds = time.perf_counter() - started
+            st = simulator.stats()
+            want = work(reference, batch)
+            rows.append(
+                {
+                    "graphs": st["compiles"],
+                    "eager": st["eager_signatures"],
+                    "seconds": seconds,
+                    "diff": float(np.abs(np.asarray(got, dtype=np.float64) - np.asarray(want, dtype=np.float64)).max()),
+                }
+            )
+    graphs = sum(r["graphs"] for r in rows)
+    eager = sum(r["eager"] for r in rows)
+    return {
+        "job": name,
+        "scenario": "patched" if patched else "stock",
+        "passes": rows,
+        "graphs": graphs,
+        "eager": eager,
+        "estimate": costs.estimate(graphs, eager)["seconds"],
+        "last_pass_estimate": costs.estimate(rows[-1]["graphs"], rows[-1]["eager"])["seconds"],
+        "overhead": positions.overhead,
+        "diff": max(r["diff"] for r in rows),
+        "seconds": sum(r["seconds"] for r in rows),
+    }
+
+
+def jobs(folder: str, reranker: str) -> dict[str, Job]:
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    def embedder(device: str) -> Any:
+        transformer = modules.Transformer(folder)
+        return SentenceTransformer(
+            modules=[transformer, modules.Pooling(64, "mean"), modules.Normalize()], device=device
+        )
+
+    def classifier(device: str) -> Any:
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(reranker).to(device)
+        return transformers.pipeline(
+            "text-classification", model=model, tokenizer=tiny.encoder_tokenizer(), device=device
+        )
+
+    def embed(model: Any, batch: list[str]) -> Any:
+        return model.encode(batch, batch_size=32)
+
+    def classify(pipe: Any, batch: list[str]) -> Any:
+        return [pipe(text)[0]["score"] for text in batch]
+
+    def rerank(model: Any, batch: list[str]) -> Any:
+        scores = []
+        for start in range(0, len(batch), 33):
+            query, *documents = batch[start : start + 33]
+            ranked = sorted(model.rank(query, documents), key=lambda r: r["corpus_id"])
+            scores += [r["score"] for r in ranked]
+        return scores
+
+    return {
+        "embed": (embedder, embed),
+        "classify": (classifier, classify),
+        "rerank": (lambda device: CrossEncoder(reranker, device=device), rerank),
+    }
+
+
+def _minutes(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"### Transformers {transformers.__version__} (torch {torch.__version__.split('+')[0]}, "
+        f"accelerate-neuron {accelerate_neuron.__version__})",
+        "",
+        f"`python benchmarks/inference.py --texts {args.texts} --passes {args.passes} --median {args.median} "
+        f"--seed {args.seed}`: {args.passes} passes of {args.texts} new texts each, token lengths lognormal "
+        f"(median {args.median}, sigma 0.9, 4-250); a 2-layer BERT-style encoder (hidden 64, 256 positions).",
+        "",
+        "| job | scenario | graphs | eager signatures | est. compile on Trainium | last pass alone | positions per "
+        "real token | max diff vs CPU | CPU wall |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        per_pass = " + ".join(f"{p['graphs']}g/{p['eager']}e" for p in r["passes"])
+        lines.append(
+            f"| {r['job']} | {r['scenario']} | {r['graphs']} | {r['eager']} ({per_pass}) | {_minutes(r['estimate'])} "
+            f"| {_minutes(r['last_pass_estimate'])} | {r['overhead']:.2f} | {r['diff']:.1e} | {r['seconds']:.1f} s |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--texts", type=int, default=96)
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--median", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--only", choices=("embed", "classify", "rerank"))
+    parser.add_argument("--output", help="append the markdown section to this file")
+    args = parser.parse_args()
+    workdir = tempfile.mkdtemp(prefix="accelerate-neuron-bench-")
+    folder = str(tiny.save_encoder(os.path.join(workdir, "encoder"), "bert", "AutoModel"))
+    reranker = str(
+        tiny.save_encoder(os.path.join(workdir, "reranker"), "bert", "AutoModelForSequenceClassification", num_labels=1)
+    )
+    tokenizer = tiny.encoder_tokenizer()
+    passes = [texts(args.texts, args.median, args.seed + i, tokenizer) for i in range(args.passes)]
+    results = []
+    for name, job in jobs(folder, reranker).items():
+        if args.only and name != args.only:
+            continue
+        for patched in (True, False):
+            result = run_job(name, job, passes, patched)
+            results.append(result)
+            print(
+                f"{name:9} {result['scenario']:8} graphs={result['graphs']} eager={result['eager']} "
+                f"overhead={result['overhead']:.2f} diff={result['diff']:.1e}",
+                file=sys.stderr,
+                flush=True,
+            )
+    text = report(results, args)
+    print(text)
+    if args.output:
+        with open(args.output, "a", encoding="utf-8") as fh:
+            fh.write(text + "\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
