@@ -27,7 +27,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 os.environ.setdefault("ACCELERATE_NEURON_SIMULATE", "1")
@@ -89,23 +89,32 @@ class Positions:
             return
         inside = []
 
-        def call(module: Any, *args: Any, **kwargs: Any) -> Any:
-            mask = kwargs.get("attention_mask")
-            if not inside and isinstance(mask, torch.Tensor) and mask.dim() == 2:  # a root call, at its own shape
-                counter.real += int(mask.to("cpu").sum())  # on the host: no eager op of ours counted
-                counter.computed += mask.numel()
-            inside.append(module)
-            try:
-                return torch.nn.Module.__call__(module, *args, **kwargs)
-            finally:
-                inside.pop()
+        def counted(inherited: Callable[..., Any]) -> Callable[..., Any]:
+            def call(module: Any, *args: Any, **kwargs: Any) -> Any:
+                features = args[0] if args and isinstance(args[0], Mapping) else kwargs
+                mask = features.get("attention_mask")
+                if not inside and isinstance(mask, torch.Tensor) and mask.dim() == 2:  # a root call, its own shape
+                    counter.real += int(mask.to("cpu").sum())  # on the host: no eager op of ours counted
+                    counter.computed += mask.numel()
+                inside.append(module)
+                try:
+                    return inherited(module, *args, **kwargs)
+                finally:
+                    inside.pop()
 
-        assert "__call__" not in transformers.PreTrainedModel.__dict__, "stock means no accelerate-neuron patch"
-        transformers.PreTrainedModel.__call__ = call
+            return call
+
+        from sentence_transformers.base.model import BaseModel
+
+        roots = (transformers.PreTrainedModel, BaseModel)  # sentence-transformers calls its model's forward
+        assert not any("__call__" in cls.__dict__ for cls in roots), "stock means no accelerate-neuron patch"
+        for cls in roots:
+            cls.__call__ = counted(torch.nn.Module.__call__)
         try:
             yield
         finally:
-            del transformers.PreTrainedModel.__call__
+            for cls in roots:
+                del cls.__call__
 
     @property
     def overhead(self) -> float:
