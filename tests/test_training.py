@@ -295,7 +295,7 @@ def test_dataloaders_are_bucketed_and_evaluation_keeps_every_sample(
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The CPU run, the plugin's run and the baselines on the same data (shared: each run compiles)."""
-    from accelerate_neuron.builtin.training import trainer as _training_trainer
+    from accelerate_neuron import logs
     from accelerate_neuron.builtin.training.shapes import BUCKETS_ENV
 
     tmp = tmp_path_factory.mktemp("runs")
@@ -306,7 +306,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         results["cpu"] = _train(tmp, use_cpu=True)
         mp.setenv(BUCKETS_ENV, BUCKETS)
-        _training_trainer._logged.clear()  # announced once per process: earlier tests may have seen it
+        logs.forget("training.buckets")  # announced once per process: earlier tests may have seen it
         results["plugin"] = _train(tmp, torch_compile=True)
         results["plugin_logs"] = handler.take()
         mp.setenv(BUCKETS_ENV, "off")

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import logs
 from .records import as_dict
 
 logger = logging.getLogger(__name__)
@@ -229,14 +230,15 @@ def patch_aliases_now(key: str, aliases: Sequence[str]) -> None:
                 _patch_alias(alias, original_func, replacement, record)
 
 
-_logged: set[tuple[str, str]] = set()
-
-
 def _log_skip(record: PatchRecord) -> None:
-    if (record.key, record.detail) in _logged:
-        return
-    _logged.add((record.key, record.detail))
-    logger.info("accelerate_neuron: skipped patch %s: %s", record.target, record.detail)
+    logs.once(
+        logger,
+        ("patching.skipped", record.key, record.detail),
+        "accelerate_neuron: skipped patch %s: %s",
+        record.target,
+        record.detail,
+        level=logging.INFO,
+    )
 
 
 def revert(key: str) -> bool:
@@ -274,4 +276,4 @@ def forget() -> None:
     with _lock:
         for key in [k for k, r in _records.items() if r.status != "applied"]:
             del _records[key]
-        _logged.clear()
+        logs.forget("patching.skipped")

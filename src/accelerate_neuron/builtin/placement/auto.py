@@ -20,15 +20,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ... import device
+from ... import device, logs
 from ...sizes import format_size
 
 logger = logging.getLogger(__name__)
 
 #: Share of a core's budget the weights may use when choosing how many cores "auto" needs.
 HEADROOM = 0.9
-
-_logged: set[tuple[int, int]] = set()
 
 
 def cores_needed(model_bytes: int, budgets: list[int], headroom: float = HEADROOM) -> int | None:
@@ -74,15 +72,16 @@ def auto_max_memory(model: Any) -> dict[int | str, int] | None:
             break
     else:
         return None
-    if (model_bytes, k) not in _logged:
-        _logged.add((model_bytes, k))
-        logger.info(
-            "accelerate_neuron: device_map='auto' places the model (%s) on %d of %d Neuron cores (0..%d): "
-            "each core boundary costs a transfer, and generate() compiles a model on one core only. "
-            "Pass device_map='balanced' to spread it over every core.",
-            format_size(model_bytes),
-            k,
-            cores,
-            k - 1,
-        )
+    logs.once(
+        logger,
+        ("placement.auto_cores", model_bytes, k),
+        "accelerate_neuron: device_map='auto' places the model (%s) on %d of %d Neuron cores (0..%d): "
+        "each core boundary costs a transfer, and generate() compiles a model on one core only. "
+        "Pass device_map='balanced' to spread it over every core.",
+        format_size(model_bytes),
+        k,
+        cores,
+        k - 1,
+        level=logging.INFO,
+    )
     return limited

@@ -22,7 +22,7 @@ import os
 import weakref
 from typing import Any
 
-from ... import device
+from ... import device, logs
 from . import shape_state
 from .args import DROP_LAST_ATTR
 from .shapes import BUCKETS_ENV, ShapePolicy, bucketing_collator, collator_max_length, resolve_policy
@@ -31,7 +31,6 @@ from .watchdog import RecompileWatchdog
 logger = logging.getLogger(__name__)
 
 _POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-_logged: set[str] = set()
 #: Where a resumed Trainer keeps the policy its checkpoint was trained with.
 RESUMED_ATTR = "_accelerate_neuron_resumed_policy"
 
@@ -97,17 +96,15 @@ def wrap_get_dataloader(original: Any) -> Any:
 
 
 def _announce(collator: Any, policy: ShapePolicy) -> None:
-    key = f"{type(collator).__name__}:{policy.buckets}:{policy.pad_to_multiple_of}"
-    if key in _logged:
-        return
-    _logged.add(key)
     targets = []
     if policy.buckets:
         targets.append(f"the length buckets {list(policy.buckets)}")
     if policy.pad_to_multiple_of:
         beyond = " beyond the last bucket" if policy.buckets else ""
         targets.append(f"a multiple of {policy.pad_to_multiple_of}{beyond}")
-    logger.warning(
+    logs.once(
+        logger,
+        ("training.buckets", type(collator).__name__, policy.buckets, policy.pad_to_multiple_of),
         "accelerate_neuron: training compiles on Neuron, so batches from %s are padded on the right to %s "
         "(%s; attention_mask 0, labels -100: the loss is unchanged), keeping the compiled step to a few shapes. "
         "Opt out: %s=off, or choose the buckets, e.g. %s=128,256,512.",
