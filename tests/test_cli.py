@@ -412,6 +412,15 @@ def test_demo_json_places_the_model_on_neuron_and_generates_the_corpus() -> None
     assert result["second_generate"]["eager_signatures"] < result["first_generate"]["eager_signatures"]
     assert result["load"]["h2d_bytes"] >= sum(result["placement"]["bytes"].values())
     assert result["tokens_per_second"] > 0
+    # What the backend's own functions report agrees with the simulator's counters, call by call.
+    for call in ("first_generate", "second_generate"):
+        counts, backend = result[call], result[call]["backend"]
+        assert backend["graphs_compiled"] == counts["compiles"] + counts["compile_cache_hits"]
+        assert backend["cpu_fallbacks"] == {}
+        if backend["cache"] is not None:  # None when nothing was counted (the second call compiles nothing)
+            assert backend["cache"]["compilations"] == counts["compiles"] + counts["eager_compiles"]
+    assert result["first_generate"]["backend"]["cache"]["compilations"] >= 1
+    assert set(result["first_generate"]["backend"]["sources"]) == {"graphs", "cache", "cpu_fallbacks"}
 
 
 def test_demo_on_a_whole_chip_keeps_a_small_model_on_one_core_unless_asked_to_spread() -> None:

@@ -26,6 +26,7 @@ import transformers
 import accelerate_neuron
 from accelerate_neuron import simulator, tiny
 from accelerate_neuron.builtin.generation import shapes
+from helpers import run_python
 
 TOLERANCE = 1e-5
 WORDS = tiny.CORPUS.split()
@@ -346,6 +347,27 @@ def test_opt_outs_restore_upstream(sim: Any, monkeypatch: pytest.MonkeyPatch, ca
     assert run_lengths() == stock
     accelerate_neuron.disable_bucketing(dev, False)
     assert run_lengths() == (0, 0)
+
+
+def test_a_bucket_that_does_not_fit_in_memory_runs_the_call_unpadded() -> None:
+    proc = run_python(
+        """
+        import torch
+        from accelerate_neuron import tiny
+        cpu = tiny.encoder("bert", "AutoModel")
+        dev = tiny.encoder("bert", "AutoModel").to("neuron")
+        ids = torch.randint(3, 500, (2, 9))
+        with torch.no_grad():
+            got = dev(input_ids=ids.to("neuron")).last_hidden_state.cpu()
+            want = cpu(input_ids=ids).last_hidden_state
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5
+        """,
+        ACCELERATE_NEURON_SIMULATE="1",
+        ACCELERATE_NEURON_SIM_HBM="1MiB",  # the weights and an unpadded call fit; 256 rows of 256 tokens do not
+        ACCELERATE_NEURON_PROMPT_BUCKETS="256",
+        ACCELERATE_NEURON_BATCH_BUCKETS="256",
+    )
+    assert "ran out of Neuron memory; it runs unpadded instead" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_generate_keeps_its_own_buckets(sim: Any) -> None:

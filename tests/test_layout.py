@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "accelerate_neuron"
-BASE = {"device", "sizes", "import_hooks", "tiny", "costs", "settings", "logs", "files", "records"}
+BASE = {"device", "backend_metrics", "sizes", "import_hooks", "tiny", "costs", "settings", "logs", "files", "records"}
 PLUGIN_SIDE = {"activation", "plugins", "hookspecs", "patching", "builtin", "_autoload"}
 TOP = {"cli", "status_report", "__main__", "__init__"}
 

@@ -126,3 +126,57 @@ def test_auto_takes_another_core_rather_than_offload_when_blocks_do_not_fit() ->
         assert "cpu" not in placed["map_values"] and "disk" not in placed["map_values"], (strategy, placed)
         assert set(placed["bytes"]) == {f"neuron:{i}" for i in range(4)}, (strategy, placed)
         assert placed["equal"], f"{strategy}: logits differ from the CPU reference"
+
+
+NEWER_SDK_CHILD = """
+import json, tempfile
+import torch, accelerate_neuron, transformers
+import accelerate.utils.modeling as modeling
+from accelerate_neuron import activation, patching, tiny
+
+record = next(r for r in patching.records() if r.key == "placement.get_max_memory")
+status, detail = record.status, record.detail
+probe_touched_runtime = torch.neuron.is_initialized()  # the probe ran when accelerate was imported
+with activation.unpatched():
+    stock = modeling.get_max_memory()  # what stock Accelerate plans with on its own
+reference = tiny.model("qwen3")
+path = tempfile.mkdtemp()
+reference.save_pretrained(path)
+ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+with torch.no_grad():
+    want = reference(ids).logits
+model = transformers.AutoModelForCausalLM.from_pretrained(path, device_map="auto")
+with torch.no_grad():
+    got = model(ids.to(model.device)).logits.cpu()
+print(json.dumps({
+    "status": status, "detail": detail, "probe_touched_runtime": probe_touched_runtime,
+    "upstream_asks_a_device_module": "get_accelerator_free_memory" in modeling.get_max_memory.__code__.co_names,
+    "stock_cores": sorted(k for k in stock if isinstance(k, int)),
+    "devices": sorted({str(p.device) for p in model.parameters()}),
+    "equal": bool(torch.allclose(got, want, atol=1e-5, rtol=1.3e-6)),
+}))
+"""
+
+
+def test_placement_stands_aside_when_stock_accelerate_can_read_neuron_memory() -> None:
+    """Newer SDKs have torch.neuron.mem_get_info (simulated: ACCELERATE_NEURON_SIM_MEM_GET_INFO=1)."""
+    runs = {
+        offered: last_json(
+            run_python(
+                NEWER_SDK_CHILD, ACCELERATE_NEURON_SIMULATE="2", ACCELERATE_NEURON_SIM_MEM_GET_INFO=offered
+            ).stdout
+        )
+        for offered in ("0", "1")
+    }
+    for result in runs.values():
+        assert result["probe_touched_runtime"] is False  # deciding allocated nothing, started no runtime
+        assert result["devices"] == ["neuron:0"] and result["equal"]  # device_map="auto" works either way
+    assert runs["0"]["status"] == "applied"  # without mem_get_info stock plans for the CPU only
+    assert runs["0"]["stock_cores"] == []
+    if runs["1"]["upstream_asks_a_device_module"]:  # Accelerate >= 1.16: any accelerator, by its device module
+        assert runs["1"]["stock_cores"] == [0, 1]
+        assert runs["1"]["status"] == "skipped"
+        assert "torch.neuron.mem_get_info reports their free memory" in runs["1"]["detail"]
+    else:  # Accelerate 1.10 enumerates CUDA/NPU/XPU/... by name: it never asks Neuron, the patch stays
+        assert runs["1"]["stock_cores"] == []
+        assert runs["1"]["status"] == "applied"

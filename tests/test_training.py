@@ -213,6 +213,10 @@ def test_watchdog_names_the_input_and_warns_once(sim: Any, caplog: pytest.LogCap
     assert len(warnings) == 2, warnings
     assert "shape changed: 'x' (2, 3, 4) -> (2, 5, 4)" in warnings[0] and "pad sequences" in warnings[0]
     assert "shape changed: 'y' (2, 3) -> (1, 3)" in warnings[1] and "dataloader_drop_last=True" in warnings[1]
+    # What each new shape cost, as the backend's own compile metrics (torch.neuron.get_dynamo_metrics()) report it.
+    assert [e["backend_graphs"] for e in dog.events] == [1, 1]
+    assert all("the backend compiled 1 graph(s) of" in w for w in warnings)
+    assert len(torch.neuron.get_dynamo_metrics()) == 4  # the warm-up, x's two new lengths, y's new batch
     # The simulator's own compile records agree on the shapes the warnings name.
     xs = [
         tuple(i["shape"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .sizes import parse_size
@@ -354,6 +355,27 @@ SETTINGS: tuple[Setting, ...] = (
         "commands",
         config=False,
     ),
+    # --- the simulated device's own (read by the simulator)
+    Setting(
+        "sim_cpu_fallback_ops",
+        parse_text,
+        "aten::histc",
+        "ATen op names separated by commas (`aten::histc,aten::normal_`), or `none`",
+        "Ops the simulated device runs on the host with a copy each way, as the real backend's CPU fallback does: "
+        "counted per call, never compiled.",
+        "simulator",
+        config=False,
+    ),
+    Setting(
+        "sim_mem_get_info",
+        parse_switch,
+        False,
+        _SWITCH,
+        "Offer `torch.neuron.mem_get_info` on the simulated device, as newer Neuron SDKs do.",
+        "simulator",
+        default_text="off",
+        config=False,
+    ),
     # --- development
     Setting(
         "sim_asan",
@@ -533,6 +555,14 @@ def effective() -> Iterator[tuple[Setting, Value | None, str]]:
 #: Where README keeps the generated table (:func:`reference_block` prints it).
 TABLE_START = "<!-- settings table: generated from accelerate_neuron.settings (reference_block()), do not edit -->"
 TABLE_END = "<!-- end of settings table -->"
+
+
+def cache_dir() -> Path:
+    """The ``cache_dir`` setting, or ``$XDG_CACHE_HOME/accelerate_neuron`` (``~/.cache/accelerate_neuron``)."""
+    chosen = get("cache_dir")
+    if chosen:
+        return Path(chosen).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "accelerate_neuron"
 
 
 def reference_table(section: str | None = None) -> str:

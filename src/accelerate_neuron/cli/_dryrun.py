@@ -3,8 +3,9 @@
 Each process of the run wrote ``process-<pid>.json``
 (:mod:`accelerate_neuron.simulator.report`). Here they are merged: where the
 models landed, memory per physical core, compiled graphs (and which the NEFF
-cache supplied), recompile causes, eager signatures, transfers and the
-compile-time estimate, cold and with the cache the run found.
+cache supplied), recompile causes, eager signatures, transfers, the ops that
+ran on the CPU, what the backend's own metrics say, and the compile-time
+estimate, cold and with the cache the run found.
 """
 
 from __future__ import annotations
@@ -345,6 +346,47 @@ def _eager_compiles(st: dict[str, Any]) -> int:
     return int(st.get("eager_compiles", st.get("eager_signatures", 0)))
 
 
+def _cpu_fallbacks(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ops that ran on the CPU (by the backend's get_fallback_ops()), with the host copies they cost."""
+    calls: Counter[str] = Counter()
+    processes: Counter[str] = Counter()
+    source = None
+    for record in records:
+        backend = record.get("backend") or {}
+        source = source or backend.get("sources", {}).get("cpu_fallbacks")
+        ops = backend.get("cpu_fallbacks")
+        if ops is None:  # a record from a process without the backend's op tracking
+            ops = record.get("stats", {}).get("cpu_fallback_ops", {})
+        calls.update({op: int(n) for op, n in ops.items()})
+        processes.update(ops.keys())
+    ranked = sorted(calls.items(), key=lambda kv: (-kv[1], kv[0]))
+    stats = [r.get("stats", {}) for r in records]
+    return {
+        "calls": sum(calls.values()),
+        "ops": [{"op": op, "calls": n, "processes": processes[op]} for op, n in ranked],
+        "d2h_bytes": sum(int(st.get("cpu_fallback_d2h_bytes", 0)) for st in stats),
+        "h2d_bytes": sum(int(st.get("cpu_fallback_h2d_bytes", 0)) for st in stats),
+        "source": source,
+    }
+
+
+def _backend(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The backend's own compile figures, summed over the processes that report them."""
+    backends = [r.get("backend") or {} for r in records]
+    graphs = [b["graphs_compiled"] for b in backends if b.get("graphs_compiled") is not None]
+    caches = [b["cache"] for b in backends if b.get("cache")]
+    cache: dict[str, int] | None = None
+    if caches:
+        cache = {}
+        for counters in caches:
+            for name, value in counters.items():
+                cache[name] = cache.get(name, 0) + int(value)
+    sources: dict[str, str] = {}
+    for b in backends:
+        sources.update(b.get("sources", {}))
+    return {"graphs_compiled": sum(graphs) if graphs else None, "cache": cache, "sources": sources}
+
+
 def _compile_cache(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The NEFF cache the run's processes used (they inherit one environment)."""
     for record in records:
@@ -432,6 +474,8 @@ def build_report(
         "h2d_bytes": sum(p["h2d_bytes"] for p in processes),
         "d2h_bytes": sum(p["d2h_bytes"] for p in processes),
         "d2d_bytes": sum(p["d2d_bytes"] for p in processes),
+        "cpu_fallbacks": _cpu_fallbacks(active),
+        "backend": _backend(active),
         "estimate": estimate,
         "graph_breaks": _graph_breaks(active),
         "recompile_causes": _merge_causes([recompile_causes(r.get("stats", {}).get("graphs", [])) for r in active]),

@@ -8,6 +8,7 @@ from .. import costs
 from ._common import duration, plural, size
 
 MAX_PLACEMENT_LINES = 12
+TOP_FALLBACK_OPS = 8
 
 
 def placement_lines(model: dict[str, Any], indent: str = "    ") -> list[str]:
@@ -153,6 +154,43 @@ def _breaks(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _fallbacks(report: dict[str, Any]) -> list[str]:
+    fb = report.get("cpu_fallbacks") or {"calls": 0, "ops": []}
+    if not fb["calls"]:
+        return [*_section("CPU fallbacks: none (every op ran on the device)")]
+    lines = _section(
+        f"CPU fallbacks: {plural(fb['calls'], 'call')} of ops Neuron runs on the CPU, each a device->host->device "
+        f"round trip ({size(fb['d2h_bytes'])} out, {size(fb['h2d_bytes'])} back in all)"
+    )
+    for op in fb["ops"][:TOP_FALLBACK_OPS]:
+        procs = f", in {op['processes']} processes" if op["processes"] > 1 else ""
+        lines.append(f"  {op['op']} x{op['calls']}{procs}")
+    if len(fb["ops"]) > TOP_FALLBACK_OPS:
+        lines.append(f"  ... {len(fb['ops']) - TOP_FALLBACK_OPS} more op(s)")
+    listed = f" (ops as listed by {fb['source']})" if fb.get("source") else ""
+    lines.append(
+        "  On Trainium each call copies its inputs to the host and its results back: keep such ops out of hot "
+        f"loops, or compute them another way{listed}."
+    )
+    return lines
+
+
+def _backend_line(report: dict[str, Any]) -> list[str]:
+    backend = report.get("backend") or {}
+    parts = []
+    if backend.get("graphs_compiled") is not None:
+        parts.append(f"{plural(backend['graphs_compiled'], 'graph')} ({backend['sources'].get('graphs')})")
+    cache = backend.get("cache")
+    if cache:
+        parts.append(
+            f"NEFF cache: {cache.get('compilations', 0)} compiled, {cache.get('persistent_hits', 0)} from disk, "
+            f"{cache.get('in_memory_hits', 0)} from memory (torch_neuronx.metrics)"
+        )
+    if not parts:
+        return []
+    return ["  the backend's own metrics: " + "; ".join(parts)]
+
+
 def cache_line(cache: dict[str, Any] | None) -> str:
     """Where the simulated NEFF cache is, or why it is off."""
     if not cache:
@@ -194,10 +232,10 @@ def render_dryrun(report: dict[str, Any]) -> str:
             "accelerate-neuron installed (or it was killed before it could exit)"
         )
         return "\n".join(lines)
-    lines += _placement(report) + _memory(report) + _graphs(report) + _eager(report)
+    lines += _placement(report) + _memory(report) + _graphs(report) + _backend_line(report) + _eager(report)
     lines += _section(
         f"Transfers: host->device {size(report['h2d_bytes'])}, device->host {size(report['d2h_bytes'])}, "
         f"device->device {size(report['d2d_bytes'])}"
     )
-    lines += _causes(report) + _breaks(report) + _estimate(report)
+    lines += _fallbacks(report) + _causes(report) + _breaks(report) + _estimate(report)
     return "\n".join(lines)

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .. import costs
+from .. import backend_metrics, costs
 from ._common import (
     CliError,
     Progress,
@@ -120,11 +120,13 @@ def _device(args: argparse.Namespace, progress: Progress) -> str:
 
 
 class _Counters:
-    """What the device paid since the last reset: the simulator's counters, and Dynamo's graphs on any device."""
+    """What the device paid since the last reset: the backend's own metrics and Dynamo's graphs on any device,
+    and the simulator's counters on the simulated one."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._dynamo = 0
+        self._backend = backend_metrics.Snapshot()
 
     def reset(self) -> None:
         if self.kind == "simulated":
@@ -132,6 +134,7 @@ class _Counters:
 
             simulator.reset_stats()
         self._dynamo = self._dynamo_graphs()
+        self._backend = backend_metrics.snapshot()
 
     @staticmethod
     def _dynamo_graphs() -> int:
@@ -144,7 +147,10 @@ class _Counters:
 
     def read(self) -> dict[str, Any]:
         """Cumulative since :meth:`reset` (eager signatures as a set: a repeat is not a new compile)."""
-        out: dict[str, Any] = {"dynamo_graphs": self._dynamo_graphs() - self._dynamo}
+        out: dict[str, Any] = {
+            "dynamo_graphs": self._dynamo_graphs() - self._dynamo,
+            "backend": backend_metrics.since(backend_metrics.snapshot(), self._backend),
+        }
         if self.kind == "simulated":
             from .. import simulator
 
@@ -157,14 +163,17 @@ class _Counters:
 
 def _delta(later: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
     """What the second generate() added on top of the first."""
-    out = {k: later[k] - earlier[k] for k in later if k != "signatures"}
+    out = {k: later[k] - earlier[k] for k in later if k not in ("signatures", "backend")}
     if "signatures" in later:
         out["eager_signatures"] = len(later["signatures"] - earlier["signatures"])
+    out["backend"] = backend_metrics.since(later["backend"], earlier["backend"]).as_dict()
     return out
 
 
 def _public(counts: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in counts.items() if k != "signatures"}
+    out = {k: v for k, v in counts.items() if k not in ("signatures", "backend")}
+    out["backend"] = counts["backend"].as_dict()
+    return out
 
 
 def _generate(model: Any, inputs: Any, n: int) -> tuple[Any, float]:
@@ -226,6 +235,35 @@ def _applied_patches() -> list[dict[str, str]]:
     return [{"target": p["target"], "plugin": p["plugin"]} for p in accelerate_neuron.status().applied()]
 
 
+def _backend_lines(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    """What the backend itself reported for each generate() call (its compile metrics, cache counters, fallbacks)."""
+    if not first["sources"]:
+        return ["backend     reports no metrics of its own (no get_dynamo_metrics / torch_neuronx.metrics here)"]
+
+    def call(figures: dict[str, Any]) -> str:
+        parts = []
+        if figures["graphs_compiled"] is not None:
+            seconds = f", {figures['compile_seconds']:.1f} s compiling" if figures["compile_seconds"] else ""
+            parts.append(f"{plural(figures['graphs_compiled'], 'graph')}{seconds}")
+        cache = figures["cache"]
+        if cache is not None:
+            parts.append(
+                f"NEFF cache {cache.get('compilations', 0)} compiled / "
+                f"{cache.get('persistent_hits', 0) + cache.get('in_memory_hits', 0)} loaded"
+            )
+        if figures["cpu_fallbacks"] is not None:
+            ops = ", ".join(f"{op} x{n}" for op, n in figures["cpu_fallbacks"].items())
+            parts.append(f"CPU fallbacks: {ops or 'none'}")
+        return "; ".join(parts) or "nothing reported"
+
+    where = ", ".join(dict.fromkeys(first["sources"].values()))
+    return [
+        f"backend     as the backend reports it ({where}):",
+        f"            first call: {call(first)}",
+        f"            second call: {call(second)}",
+    ]
+
+
 def _render(result: dict[str, Any]) -> str:
     if result["device"] == "simulated":
         where = (
@@ -275,6 +313,7 @@ def _render(result: dict[str, Any]) -> str:
         lines.append(
             f"compiles    first call: {first['dynamo_graphs']} Dynamo graph(s); second call: {second['dynamo_graphs']}"
         )
+    lines.extend(_backend_lines(first["backend"], second["backend"]))
     per_plugin = Counter(p["plugin"] for p in result["patches_applied"])
     detail = ", ".join(f"{plugin} {n}" for plugin, n in per_plugin.items())
     lines.append(

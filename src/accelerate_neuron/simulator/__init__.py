@@ -19,13 +19,16 @@ explicit kernel runs the CPU kernel on zero-copy aliases (one "eager op").
 What is modelled and what is not (also in the README's fidelity table):
 
 - modelled: registration and ``torch.neuron`` API (with its gaps, e.g. no
-  ``mem_get_info``), per-core HBM budget and OOM, ``NEURON_RT_VISIBLE_CORES`` /
+  ``mem_get_info`` by default), per-core HBM budget and OOM, ``NEURON_RT_VISIBLE_CORES`` /
   ``NEURON_RT_NUM_CORES``, lazy runtime initialisation, fork-after-init
   refusal, per-core RNG, autocast policy, pinned host memory, device-mismatch
   errors, graph compiles of the ``"neuron"`` backend (AOTAutograd forward /
   backward graphs), eager signatures, transfer bytes, the c10d init-order rule,
   the persistent NEFF cache (:mod:`.neff_cache`: hits and misses across
-  processes and runs, for graphs and eager signatures).
+  processes and runs, for graphs and eager signatures), the ops the real
+  backend runs on the CPU (:mod:`.cpu_fallback`: a host round trip per call),
+  the backend's own metrics API (:mod:`.backend_api`), ``mem_get_info`` of
+  newer SDKs (``ACCELERATE_NEURON_SIM_MEM_GET_INFO=1``).
 - not modelled: timing, numerics of Neuron kernels (results are CPU results,
   e.g. no bf16 matmul accumulation differences), LNC (cores
   are logical cores of ``ACCELERATE_NEURON_SIM_HBM`` each), the caching
@@ -128,12 +131,26 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
             )
 
         from ..import_hooks import when_imported
-        from . import _build, compile_backend, device_module, distributed, eager_cache, random_ops, torch_neuronx_shim
+        from . import (
+            _build,
+            compile_backend,
+            cpu_fallback,
+            device_module,
+            distributed,
+            eager_cache,
+            random_ops,
+            torch_neuronx_shim,
+        )
 
+        # Settings first: a bad value stops the install before anything registers.
+        fallback_ops = cpu_fallback.from_env()
+        offer_mem_get_info = device_module.mem_get_info_from_env()
         lib = _build.load(torch)
         state = SimState(lib=lib, total_cores=cores, hbm_bytes=hbm_bytes)
         state.refresh()  # validates NEURON_RT_VISIBLE_CORES before anything registers
         set_state(state)
+        cpu_fallback.set_ops(fallback_ops)
+        device_module.offer_mem_get_info(offer_mem_get_info)
         torch.utils.rename_privateuse1_backend("neuron")
         torch._register_device_module("neuron", device_module)
         torch.utils.generate_methods_for_privateuse1_backend(
@@ -176,14 +193,18 @@ def stats() -> dict[str, Any]:
     device, which Neuron's eager mode compiles one by one on a cold cache, of
     which ``eager_cache_hits`` were loaded from the NEFF cache and
     ``eager_compiles`` compiled; ``eager_ops``: eager op executions;
-    ``h2d_bytes`` / ``d2h_bytes`` / ``d2d_bytes``; per-core ``memory_allocated``
+    ``h2d_bytes`` / ``d2h_bytes`` / ``d2d_bytes``; ``cpu_fallbacks``: calls of
+    ops the real backend runs on the CPU (:mod:`.cpu_fallback`), each a host
+    round trip of ``cpu_fallback_d2h_bytes`` out and ``cpu_fallback_h2d_bytes``
+    back (included in ``d2h_bytes`` / ``h2d_bytes``), by op in
+    ``cpu_fallback_ops``; per-core ``memory_allocated``
     and ``max_memory_allocated`` (keyed by visible core index);
     ``compile_cache``: where the NEFF cache is and whether it is on.
 
     Reading the stats settles the eager signatures run since the last call
     against the NEFF cache (see :mod:`.eager_cache`).
     """
-    from . import compile_backend, eager_cache, neff_cache
+    from . import compile_backend, cpu_fallback, eager_cache, neff_cache
     from .runtime import state as get_state
 
     state = get_state()
@@ -206,6 +227,10 @@ def stats() -> dict[str, Any]:
         "h2d_bytes": int(lib.nsim_counter(0)),
         "d2h_bytes": int(lib.nsim_counter(1)),
         "d2d_bytes": int(lib.nsim_counter(2)),
+        "cpu_fallbacks": int(lib.nsim_counter(4)),
+        "cpu_fallback_d2h_bytes": int(lib.nsim_counter(5)),
+        "cpu_fallback_h2d_bytes": int(lib.nsim_counter(6)),
+        "cpu_fallback_ops": cpu_fallback.counts(),
         "memory_allocated": {i: int(lib.nsim_memory(i, 0)) for i in range(count)},
         "max_memory_allocated": {i: int(lib.nsim_memory(i, 1)) for i in range(count)},
         "cores": count,

@@ -7,6 +7,12 @@ inside pip's isolated build environment, which pulls a multi-GB CUDA wheel.
 The result is cached per (sources, torch build, compiler), so later processes
 load it in milliseconds. Concurrent first uses (``torchrun``) build once under
 a file lock.
+
+The C++ standard is the one the installed torch's headers compile under (torch
+2.13's accept C++17, 2.14's need C++20): found by compiling a file that includes
+them, newest standard first, and remembered per (torch, compiler) beside the
+builds. torch's ``cpp_extension`` hard-codes its flag and offers no function
+that says it, so asking the compiler is the one answer that holds for every torch.
 """
 
 from __future__ import annotations
@@ -26,12 +32,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .. import settings
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("runtime.cpp", "kernels.cpp", "autocast.cpp")
 _HEADERS = ("sim.h",)
 _LIB_NAME = "libneuron_sim.so"
+#: Tried newest first: the first one the compiler accepts and torch's headers compile under is used.
+CXX_STANDARDS = ("c++20", "c++17")
+#: What the probe compiles: the headers every simulator source includes.
+_PROBE_SOURCE = "#include <ATen/core/Tensor.h>\n#include <torch/library.h>\nint main() { return 0; }\n"
 
 # ATen/autocast_mode.h macro -> policy of the boxed autocast kernel.
 _POLICY_MACROS = {
@@ -48,7 +60,7 @@ def asan_enabled() -> bool:
     Python must then run with ``LD_PRELOAD=$(gcc -print-file-name=libasan.so)`` and
     ``ASAN_OPTIONS=detect_leaks=0`` (CPython and torch hold memory until exit by design).
     """
-    return os.environ.get("ACCELERATE_NEURON_SIM_ASAN", "") not in ("", "0")
+    return settings.get("sim_asan")
 
 
 def _sanitizer_flags() -> list[str]:
@@ -60,12 +72,8 @@ class SimulatorBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Where compiled simulator libraries are kept (``ACCELERATE_NEURON_CACHE_DIR``)."""
-    explicit = os.environ.get("ACCELERATE_NEURON_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "accelerate_neuron"
+    """Where compiled simulator libraries are kept (the ``cache_dir`` setting)."""
+    return settings.cache_dir()
 
 
 def _compiler() -> str:
@@ -97,6 +105,67 @@ def policy_table(torch_include: Path) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _run(command: list[str], source: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*command, "-x", "c++", "-"], input=source, capture_output=True, text=True)
+
+
+def _compiler_version(compiler: str) -> str:
+    proc = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    first = (proc.stdout or proc.stderr).strip().splitlines()
+    return first[0] if first else "unknown version"
+
+
+def cxx_standard(compiler: str, include_flags: list[str], cache_file: Path | None = None) -> str:
+    """The ``-std=`` value to build with: the newest of :data:`CXX_STANDARDS` that works here.
+
+    "Works" means the compiler accepts the flag and torch's headers compile under it. The answer
+    is kept in ``cache_file`` (keyed by the caller: torch build and compiler). Raises
+    :class:`SimulatorBuildError` naming the compiler and the flag when none works.
+    """
+    if cache_file is not None:
+        try:
+            cached = cache_file.read_text().strip()
+        except OSError:
+            cached = ""
+        if cached in CXX_STANDARDS:
+            return cached
+    accepted = [std for std in CXX_STANDARDS if _run([compiler, f"-std={std}", "-fsyntax-only"], "").returncode == 0]
+    failures: dict[str, str] = {}
+    for std in accepted:
+        proc = _run([compiler, f"-std={std}", "-fsyntax-only", "-w", *include_flags], _PROBE_SOURCE)
+        if proc.returncode == 0:
+            if cache_file is not None:
+                cache_file.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(std + "\n")
+                os.replace(tmp, cache_file)
+            return std
+        failures[std] = proc.stderr.strip()[:1500]  # the first error says why; the rest follows from it
+    version = _compiler_version(compiler)
+    newest = CXX_STANDARDS[0]
+    if newest not in accepted:
+        tried = ", ".join(f"-std={std}" for std in failures) or "no -std= flag this builder knows"
+        raise SimulatorBuildError(
+            f"the C++ compiler {compiler!r} ({version}) does not accept -std={newest}, and torch's headers "
+            f"do not compile with what it does accept ({tried}). The installed torch needs a compiler with "
+            f"-std={newest} support (GCC >= 10 or clang >= 10): install one and point CXX at it."
+            + (f"\n{failures[next(iter(failures))]}" if failures else "")
+        )
+    raise SimulatorBuildError(
+        f"torch's headers do not compile with {compiler!r} ({version}) under "
+        + " or ".join(f"-std={std}" for std in failures)
+        + f"; set CXX to another compiler.\n{failures[newest]}"
+    )
+
+
+def _standard_cache_file(torch_mod, compiler: str) -> Path:
+    """Where the standard found for this torch build and compiler is remembered."""
+    digest = hashlib.sha256()
+    for part in (torch_mod.__version__, str(Path(torch_mod.__file__).resolve()), compiler, _compiler_version(compiler)):
+        digest.update(part.encode() + b"\0")
+    return cache_dir() / f"cxx-standard-{digest.hexdigest()[:16]}.txt"
+
+
 def _build_key(torch_mod, compiler: str) -> str:
     digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
@@ -114,6 +183,8 @@ def _compile(torch_mod, compiler: str, out: Path) -> None:
     from torch.utils import cpp_extension
 
     include_flags = [f"-I{p}" for p in cpp_extension.include_paths()]
+    include_flags.append(f"-I{sysconfig.get_paths()['include']}")
+    standard = cxx_standard(compiler, include_flags, _standard_cache_file(torch_mod, compiler))
     torch_lib = Path(torch_mod.__file__).parent / "lib"
     work = Path(tempfile.mkdtemp(prefix="neuron_sim_build_"))
     try:
@@ -123,14 +194,13 @@ def _compile(torch_mod, compiler: str, out: Path) -> None:
         common = [
             compiler,
             "-O1",
-            "-std=c++17",
+            f"-std={standard}",
             "-fPIC",
             "-w",
             *_sanitizer_flags(),
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch_mod._C._GLIBCXX_USE_CXX11_ABI)}",
             f"-I{work}",
             *include_flags,
-            f"-I{sysconfig.get_paths()['include']}",
         ]
 
         def compile_one(name: str) -> Path:
@@ -210,6 +280,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "nsim_signature_count": ([], i64),
         "nsim_signatures": ([ctypes.c_char_p, i64], i64),
         "nsim_reset_stats": ([], None),
+        "nsim_set_cpu_fallback_ops": ([ctypes.c_char_p], None),
+        "nsim_cpu_fallback_counts": ([ctypes.c_char_p, i64], i64),
+        "nsim_clear_cpu_fallback_counts": ([], None),
         "nsim_suspend_counting": ([i32], None),
         "nsim_manual_seed": ([i32, u64], None),
         "nsim_seed": ([i32], u64),

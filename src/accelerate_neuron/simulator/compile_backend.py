@@ -31,6 +31,8 @@ BACKEND_NAME = "neuron"
 _lock = threading.Lock()
 _graphs: list[dict[str, Any]] = []
 _dynamo_graphs = 0
+#: Index of the first graph ``torch.neuron.get_dynamo_metrics()`` reports (``reset_dynamo_metrics()`` moves it).
+_metrics_start = 0
 
 
 def _describe(value: Any) -> Any:
@@ -106,6 +108,11 @@ def _through_cache(
     record.update(cache=lookup.status, cache_source=lookup.source, cache_key=key)
 
 
+def _has_collectives(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph communicates (functional collectives: ``_c10d_functional.*`` ops)."""
+    return any("c10d" in str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+
+
 def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any], options: Mapping[str, Any]) -> Callable:
     def compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record = {
@@ -116,6 +123,7 @@ def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any], option
             "frame": context.get("frame"),
             "inputs": [_describe(x) for x in example_inputs],
             "num_nodes": sum(1 for _ in gm.graph.nodes),
+            "has_collectives": _has_collectives(gm),
         }
         _through_cache(record, gm, example_inputs, options)
         with _lock:
@@ -164,9 +172,16 @@ def register(_module: object = None) -> None:
         register_backend(neuron_backend, name=BACKEND_NAME)
 
 
-def graph_records() -> list[dict[str, Any]]:
+def graph_records(since_metrics_reset: bool = False) -> list[dict[str, Any]]:
     with _lock:
-        return [dict(r) for r in _graphs]
+        return [dict(r) for r in _graphs[_metrics_start if since_metrics_reset else 0 :]]
+
+
+def reset_metrics() -> None:
+    """``reset_dynamo_metrics()``: later metrics list only graphs compiled from now on (stats() keep them)."""
+    global _metrics_start
+    with _lock:
+        _metrics_start = len(_graphs)
 
 
 def cache_counts() -> tuple[int, int]:
@@ -182,7 +197,8 @@ def dynamo_graph_count() -> int:
 
 
 def reset() -> None:
-    global _dynamo_graphs
+    global _dynamo_graphs, _metrics_start
     with _lock:
         _graphs.clear()
         _dynamo_graphs = 0
+        _metrics_start = 0

@@ -1,8 +1,10 @@
 """``torch.neuron`` of the simulated device: the API of torch-neuronx's device module.
 
 Kept to the functions the real module documents (see DESIGN.md), with its gaps:
-there is deliberately no ``mem_get_info`` (early torch-neuronx builds lack it;
-free memory is ``total_memory - memory_reserved``).
+by default there is no ``mem_get_info`` (torch-neuronx 2.33 builds lack it; free
+memory is ``total_memory - memory_reserved``). ``ACCELERATE_NEURON_SIM_MEM_GET_INFO=1``
+adds it, as newer SDKs have it (Neuron 2.34's release notes: the ``torch.accelerator``
+memory functions work), so that code meant for both can be tested against both.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import settings
+from .backend_api import get_dynamo_metrics, reset_dynamo_metrics
 from .runtime import state
 
 __all__ = [
@@ -28,6 +32,7 @@ __all__ = [
     "get_amp_supported_dtype",
     "get_device_name",
     "get_device_properties",
+    "get_dynamo_metrics",
     "get_rng_state",
     "get_rng_state_all",
     "init",
@@ -42,6 +47,7 @@ __all__ = [
     "memory_allocated",
     "memory_reserved",
     "memory_stats",
+    "reset_dynamo_metrics",
     "reset_peak_memory_stats",
     "seed",
     "seed_all",
@@ -192,6 +198,31 @@ def memory_reserved(device: DeviceLike = None) -> int:
 
 def max_memory_reserved(device: DeviceLike = None) -> int:
     return max_memory_allocated(device)
+
+
+MEM_GET_INFO_ENV = settings.env_name("sim_mem_get_info")
+
+
+def _mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
+    """(free, total) bytes of a core, like ``torch.cuda.mem_get_info`` (offered by newer SDKs only)."""
+    index = _index(device)
+    st = state()
+    st.initialise()
+    return st.hbm_bytes - memory_reserved(index), st.hbm_bytes
+
+
+def offer_mem_get_info(enabled: bool) -> None:
+    """Add (or remove) ``torch.neuron.mem_get_info``, as a newer (or older) SDK would have it."""
+    module = globals()
+    if enabled:
+        module["mem_get_info"] = _mem_get_info
+    else:
+        module.pop("mem_get_info", None)
+
+
+def mem_get_info_from_env() -> bool:
+    """The ``sim_mem_get_info`` setting: whether ``torch.neuron.mem_get_info`` exists."""
+    return settings.get("sim_mem_get_info")
 
 
 def reset_peak_memory_stats(device: DeviceLike = None) -> None:

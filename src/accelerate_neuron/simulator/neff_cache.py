@@ -45,6 +45,8 @@ from typing import Any
 
 import filelock
 
+from .. import settings
+
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
@@ -81,11 +83,7 @@ class Lookup:
 
 def default_dir() -> Path:
     """The simulator's own root: beside its compiled library, per user, never torch-neuronx's."""
-    explicit = os.environ.get("ACCELERATE_NEURON_CACHE_DIR")
-    if explicit:
-        return Path(explicit) / SIMULATED_DIR_NAME
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "accelerate_neuron" / SIMULATED_DIR_NAME
+    return settings.cache_dir() / SIMULATED_DIR_NAME
 
 
 def encode(key: str, body: Mapping[str, Any]) -> bytes:

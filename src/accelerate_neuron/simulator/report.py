@@ -4,7 +4,8 @@ When ``ACCELERATE_NEURON_REPORT_DIR`` is set (the ``simulate`` command sets it
 for every process it starts, including the workers of ``torchrun`` /
 ``accelerate launch``), activation calls :func:`install_from_env`. At exit the
 process writes ``process-<pid>.json`` there: :func:`simulator.stats()
-<accelerate_neuron.simulator.stats>` plus where its models' weights were.
+<accelerate_neuron.simulator.stats>`, what the backend's own metrics functions
+report (:mod:`accelerate_neuron.backend_metrics`), and where its models' weights were.
 
 Models are found without touching upstream code: torch's global module and
 parameter registration hooks note every module tree as it is built, and a
@@ -28,9 +29,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import settings
+
 logger = logging.getLogger(__name__)
 
-REPORT_DIR_ENV = "ACCELERATE_NEURON_REPORT_DIR"
+REPORT_DIR_ENV = settings.env_name("report_dir")
 FORMAT_VERSION = 1
 
 #: Caps that keep one process's file small whatever the script does.
@@ -324,6 +327,7 @@ def _track_models() -> None:
 
 def collect() -> dict[str, Any]:
     """This process's dry-run record: simulator counters, models, launch identity."""
+    from .. import backend_metrics
     from . import stats
 
     counters = stats()
@@ -340,6 +344,9 @@ def collect() -> dict[str, Any]:
         "local_rank": env.get("LOCAL_RANK"),
         "world_size": env.get("WORLD_SIZE"),
         "stats": counters,
+        # What the backend's own functions say (torch.neuron.get_dynamo_metrics(), torch_neuronx.metrics,
+        # torch_neuronx.get_fallback_ops()): the report reads these as it would on Trainium.
+        "backend": backend_metrics.snapshot().as_dict(),
         "models": _tracker.models() if _tracker is not None else [],
         "models_tracked": _tracker is not None,
     }
@@ -363,7 +370,7 @@ def write(directory: str | os.PathLike[str]) -> Path | None:
 def install_from_env() -> bool:
     """Track models and write a record at exit if ``ACCELERATE_NEURON_REPORT_DIR`` is set."""
     global _installed
-    directory = os.environ.get(REPORT_DIR_ENV, "").strip()
+    directory = settings.get_quietly("report_dir")
     if not directory:
         return False
     with _lock:

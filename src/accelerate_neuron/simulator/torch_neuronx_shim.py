@@ -3,8 +3,10 @@
 Upstream libraries gate their Neuron support on
 ``importlib.util.find_spec("torch_neuronx")`` and sometimes ``import torch_neuronx``;
 on a real host that package registers the device. Here the device is already
-registered by the simulator, so importing this module does nothing else. It
-is served only when no real torch-neuronx is importable.
+registered by the simulator, so importing this module registers nothing; it
+offers the backend's own metrics functions (``get_dynamo_metrics``,
+``get_fallback_ops``, ``metrics.get_counter_value``, ...: :mod:`.backend_api`).
+It is served only when no real torch-neuronx is importable.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ class _ShimLoader(importlib.abc.Loader):
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        return None
+        from . import backend_api
+
+        backend_api.attach(module)
+        sys.modules[f"{_NAME}.metrics"] = module.metrics  # `import torch_neuronx.metrics` works too
 
 
 class ShimFinder(importlib.abc.MetaPathFinder):
@@ -49,6 +54,7 @@ def install_finder() -> None:
     loaded = sys.modules.get(_NAME)
     if loaded is not None and not getattr(loaded, "SIMULATED", False):
         del sys.modules[_NAME]
+        sys.modules.pop(f"{_NAME}.metrics", None)
 
 
 def is_shim(module: types.ModuleType | None) -> bool:

@@ -134,8 +134,11 @@ class ForwardCall:
 
     def pad(self) -> dict[str, torch.Tensor]:
         """The inputs at the bucketed shape, on the model's core."""
-        policy = shapes.resolve_policy(shapes.max_positions(self.model))
+        limit = shapes.max_positions(self.model)
+        policy = shapes.resolve_policy(limit)
         self.padded_length = self._bucket(policy.prompt_buckets, self.length, "sequence length")
+        if limit and self.padded_length > limit >= self.length:  # never past the positions the model has
+            self.padded_length = limit
         self.padded_rows = self._bucket(policy.batch_buckets, self.rows, "batch size")
         inputs = dict(self.inputs)
         if "attention_mask" not in inputs and self.padded_length > self.length:
@@ -267,14 +270,30 @@ def bucketed(
     call = ForwardCall.open(model, inputs, others)
     if call is None:
         return False, None
-    padded = call.pad()
-    if not call.changes_shapes and not call.compiled:
-        return False, None
     try:
+        padded = call.pad()
+        if not call.changes_shapes and not call.compiled:
+            return False, None
         outputs = run(call, padded)
     except Unplaced as exc:
         object.__setattr__(model, UNPLACED_ATTR, str(exc))
         _skip(model, f"its outputs cannot be cut back to the caller's shapes ({exc})")
+        return False, None
+    except torch.OutOfMemoryError as exc:
+        # The bucket's shape needs more memory than the caller's: that call runs as upstream would have.
+        logs.once(
+            logger,
+            ("inference.out_of_memory", type(model).__name__, call.padded_rows, call.padded_length),
+            "accelerate_neuron: a bucketed inference call of %s (batch %d -> %d, length %d -> %d) ran out of Neuron "
+            "memory; it runs unpadded instead. Smaller buckets (%s) leave more room. (%s)",
+            type(model).__name__,
+            call.rows,
+            call.padded_rows,
+            call.length,
+            call.padded_length,
+            shapes.PROMPT_BUCKETS_ENV,
+            str(exc).splitlines()[0],
+        )
         return False, None
     call.announce()
     return True, outputs

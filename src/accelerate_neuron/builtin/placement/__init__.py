@@ -68,6 +68,7 @@ def neuron_patches() -> list[Patch]:
             lacking="every Accelerate release: no Neuron branch, device_map='auto' plans for the CPU only",
             params=("max_memory",),
             aliases=PLAN_ALIASES,
+            needed=memory.upstream_reads_neuron_memory,
             name="placement.get_max_memory",
         ),
         Patch(

@@ -178,6 +178,59 @@ def wrap_get_max_memory(original: Callable[..., dict]) -> Callable[..., dict]:
     return get_max_memory
 
 
+def upstream_reads_neuron_memory(original: Callable[..., dict]) -> str | None:
+    """``needed`` probe of the ``get_max_memory`` patch: a reason to stand aside, or None.
+
+    Upstream plans for Neuron by itself once both hold:
+
+    - its ``get_max_memory`` enumerates the Neuron cores (Accelerate >= 1.16 enumerates any accelerator
+      through ``get_torch_accelerator_backend`` and asks ``get_accelerator_free_memory``);
+    - the device module it asks can say how much is free: ``torch.neuron.mem_get_info`` exists (newer SDKs;
+      2.33 builds lack it). Through ``torch.accelerator`` instead, only an initialised runtime can tell
+      whether ``get_memory_info`` works for Neuron, so the patch then stays.
+
+    A copy of ``original`` runs with a ``get_accelerator_free_memory`` that only notes which module it
+    was handed, and without its probe allocation on each core: nothing is allocated and the runtime is
+    not started (a torchrun rank must not touch its core before ``init_process_group``).
+    """
+    import torch
+
+    module = device.neuron_module()
+    cores = device.device_count()
+    if module is None or cores == 0 or "get_accelerator_free_memory" not in original.__code__.co_names:
+        return None  # upstream does not ask a device module for free memory here (e.g. Accelerate 1.10)
+    asked: list[Any] = []
+
+    def noted(device_module: Any, index: int) -> int:
+        asked.append(device_module)
+        return 1
+
+    class _NoAllocation:  # upstream's `torch.tensor(0, device=...)` probe is skipped; all else is torch
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        @staticmethod
+        def tensor(*args: Any, **kwargs: Any) -> None:
+            return None
+
+    probe = types.FunctionType(
+        original.__code__,
+        {**original.__globals__, "get_accelerator_free_memory": noted, "torch": _NoAllocation()},
+        original.__name__,
+        original.__defaults__,
+        original.__closure__,
+    )
+    planned = probe(None)
+    if sorted(k for k in planned if isinstance(k, int)) != list(range(cores)) or not asked:
+        return None
+    if all(m is module for m in asked) and callable(getattr(module, "mem_get_info", None)):
+        return (
+            "upstream get_max_memory enumerates the Neuron cores and torch.neuron.mem_get_info reports their free "
+            "memory: stock device_map planning works (the neuron_memory_budget hook is not consulted)"
+        )
+    return None
+
+
 # --- balancing (Accelerate releases whose get_balanced_memory counts only "cuda"-typed devices) ---
 
 

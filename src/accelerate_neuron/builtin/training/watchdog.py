@@ -15,6 +15,11 @@ an input shape not seen in a compiled call before, is a recompile for a new
 shape: warn once per input, naming old -> new shape and the fix. A shape the
 training shape policy produces on purpose (a new length bucket) is expected
 and only logged at debug level.
+
+Where the backend reports its own compile metrics (``torch.neuron.get_dynamo_metrics()``,
+read through :mod:`accelerate_neuron.backend_metrics`), the warning also says what the
+new shape cost: the graphs the backend compiled for it and the seconds it spent. They
+are read only after a call that compiled (the read synchronizes the device on Trainium).
 """
 
 from __future__ import annotations
@@ -159,6 +164,7 @@ class RecompileWatchdog:
         self._pending: dict[int, tuple[bool, Signature, int]] = {}
         self._attached: weakref.WeakSet[Any] = weakref.WeakSet()
         self._names: dict[int, list[str]] = {}
+        self._backend_seen = 0  # backend compile records accounted for by an earlier compiled call
 
     def attach(self, module: Any) -> bool:
         """Hook ``module`` (call it with the outermost, compiled wrapper); False if already attached."""
@@ -185,12 +191,30 @@ class RecompileWatchdog:
             return
         try:
             training, sig, before = pending
-            self.observe(training, sig, compiled=compile_count() > before)
+            compiled = compile_count() > before
+            self.observe(training, sig, compiled=compiled, backend=self._backend_graphs() if compiled else None)
         except Exception:
             logger.debug("accelerate_neuron: recompile watchdog failed after a call", exc_info=True)
 
-    def observe(self, training: bool, sig: Signature, compiled: bool) -> list[dict[str, Any]]:
-        """Record one call; returns the shape changes it warned about."""
+    def _backend_graphs(self) -> tuple[Any, ...] | None:
+        """The graphs the backend reports compiled since the last compiled call (``None``: it reports none)."""
+        from ... import backend_metrics
+
+        found = backend_metrics.compile_metrics()
+        if found is None:
+            return None
+        graphs = found[0]
+        new = graphs[self._backend_seen :] if len(graphs) >= self._backend_seen else graphs  # reset in between
+        self._backend_seen = len(graphs)
+        return new
+
+    def observe(
+        self, training: bool, sig: Signature, compiled: bool, backend: tuple[Any, ...] | None = None
+    ) -> list[dict[str, Any]]:
+        """Record one call; returns the shape changes it warned about.
+
+        ``backend``: the graphs the backend reports it compiled during the call, when it reports them.
+        """
         if not training and not self.watch_eval:
             return []
         mode = self._modes.setdefault(training, _Mode())
@@ -213,18 +237,32 @@ class RecompileWatchdog:
         if not fresh:
             return []
         self.warned.update(name for name, _, _ in fresh)
-        events = [{"input": n, "old": o, "new": w, "call": mode.calls} for n, o, w in fresh]
+        cost = {}
+        if backend is not None:
+            cost = {"backend_graphs": len(backend), "backend_compile_seconds": sum(g.compile_seconds for g in backend)}
+        events = [{"input": n, "old": o, "new": w, "call": mode.calls, **cost} for n, o, w in fresh]
         self.events.extend(events)
         shapes = ", ".join(f"{n!r} {_fmt(o)} -> {_fmt(w)}" for n, o, w in fresh)
         fixes = list(dict.fromkeys(fix_for(o, w) for _, o, w in fresh))
         logger.warning(
             "accelerate_neuron: torch.compile compiled a new graph after warm-up (training call %d) because the "
-            "input shape changed: %s. On Neuron every new input shape is another compile (minutes each). Fix: %s.",
+            "input shape changed: %s. On Neuron every new input shape is another compile (minutes each)%s. Fix: %s.",
             mode.calls,
             shapes,
+            _backend_cost(backend),
             "; and ".join(fixes),
         )
         return events
+
+
+def _backend_cost(backend: tuple[Any, ...] | None) -> str:
+    """``; the backend compiled 2 graph(s) of 1,234 nodes for this one, 95.3 s of compiling``, or nothing."""
+    if not backend:
+        return ""
+    nodes = sum(g.nodes for g in backend)
+    seconds = sum(g.compile_seconds for g in backend)
+    timing = f", {seconds:.1f} s of compiling" if seconds else ""
+    return f"; the backend compiled {len(backend)} graph(s) of {nodes:,} nodes for this one{timing}"
 
 
 def _order(*sigs: Signature) -> Callable[[str], int]:

@@ -4,7 +4,10 @@
 // every other operator reaches `neuron_fallback`, which runs the CPU kernel on
 // zero-copy CPU aliases of the device tensors and maps the results back to the
 // device. Each fallback call is one op Neuron's eager mode would compile for
-// its (op, shapes, dtypes), so that is what the eager-signature counter keys on.
+// its (op, shapes, dtypes), so that is what the eager-signature counter keys on,
+// except for the ops the real backend itself runs on the CPU (its CPU_FALLBACK
+// list, configured from Python): those compile nothing and cost a host round trip
+// per call, counted instead.
 
 #include "sim.h"
 
@@ -22,6 +25,7 @@
 #include <torch/library.h>
 
 #include <sstream>
+#include <unordered_set>
 
 namespace nsim {
 namespace {
@@ -296,6 +300,20 @@ bool is_optional_tensor_list(const c10::TypePtr& type) {
   return opt && opt->getElementType()->kind() == c10::TypeKind::TensorType;
 }
 
+// Ops whose CPU kernel has no integer version though a device kernel takes integers
+// (torch.histc: CPU and MPS refuse int, CUDA accepts it, and Transformers' MoE
+// grouped_mm path calls it on int32 expert ids off the CPU). The simulator
+// computes them in float32 (exact for integers below 2^24) and returns the
+// input's dtype, as the CUDA kernel does.
+const std::unordered_set<std::string>& cpu_kernel_lacks_integers() {
+  static const std::unordered_set<std::string> ops = {"aten::histc"};
+  return ops;
+}
+
+int64_t device_bytes(const at::Tensor& t) {
+  return t.defined() && t.is_privateuseone() ? static_cast<int64_t>(t.numel()) * t.element_size() : 0;
+}
+
 bool is_generator_arg(const c10::TypePtr& type) {
   if (type->kind() == c10::TypeKind::GeneratorType) {
     return true;
@@ -421,10 +439,16 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& arguments = schema.arguments();
   const size_t num_args = arguments.size();
   const size_t begin = stack->size() - num_args;
-  const bool counting = t_suspend_counting == 0;
+  const std::string& base_name = schema.operator_name().name;
+  // On Trainium a CPU_FALLBACK op compiles nothing: it is a host round trip, not an eager signature.
+  const bool on_host = t_suspend_counting == 0 && is_cpu_fallback_op(base_name);
+  const bool counting = t_suspend_counting == 0 && !on_host;
+  const bool integers_via_float = cpu_kernel_lacks_integers().count(base_name) > 0;
+  std::optional<c10::ScalarType> integer_dtype;
+  int64_t host_in_bytes = 0;
 
   DeviceChecker checker;
-  checker.op_ = schema.operator_name().name;
+  checker.op_ = base_name;
   if (!schema.overload_name().empty()) {
     checker.op_ += "." + schema.overload_name();
   }
@@ -452,7 +476,13 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (counting && t.defined()) {
         add_part(describe(t));
       }
+      host_in_bytes += device_bytes(t);
       v = to_cpu_binding(t, is_out, bindings);
+      if (integers_via_float && !is_out && t.defined() && t.is_privateuseone() &&
+          c10::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+        integer_dtype = t.scalar_type();
+        v = v.toTensor().to(at::kFloat);
+      }
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
       c10::List<at::Tensor> converted;
@@ -463,6 +493,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         if (counting) {
           part += (part.size() > 1 ? ", " : "") + describe(t);
         }
+        host_in_bytes += device_bytes(t);
         converted.push_back(to_cpu_binding(t, false, bindings));
       }
       if (counting) {
@@ -480,6 +511,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           part += (part.size() > 1 ? ", " : "") + (present ? describe(*ot) : std::string("None"));
         }
         if (present) {
+          host_in_bytes += device_bytes(*ot);
           converted.push_back(to_cpu_binding(*ot, false, bindings));
         } else {
           converted.push_back(std::nullopt);
@@ -574,19 +606,29 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   const size_t num_returns = schema.returns().size();
   const size_t rbegin = stack->size() - num_returns;
+  int64_t host_out_bytes = 0;
   for (size_t j = 0; j < num_returns; ++j) {
     c10::IValue& v = (*stack)[rbegin + j];
     if (v.isTensor()) {
-      v = from_cpu_result(v.toTensor(), device, bindings);
+      at::Tensor r = v.toTensor();
+      if (integer_dtype && r.defined() && r.is_floating_point()) {
+        r = r.to(*integer_dtype);
+      }
+      v = from_cpu_result(r, device, bindings);
+      host_out_bytes += device_bytes(v.toTensor());
     } else if (v.isTensorList()) {
       auto list = v.toTensorList();
       c10::List<at::Tensor> converted;
       converted.reserve(list.size());
       for (const at::Tensor& t : list) {
         converted.push_back(from_cpu_result(t, device, bindings));
+        host_out_bytes += device_bytes(converted.get(converted.size() - 1));
       }
       v = converted;
     }
+  }
+  if (on_host) {
+    record_cpu_fallback(base_name, host_in_bytes, host_out_bytes);
   }
 }
 

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <mutex>
 #include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace nsim {
@@ -33,6 +34,9 @@ std::atomic<int64_t> g_h2d{0};
 std::atomic<int64_t> g_d2h{0};
 std::atomic<int64_t> g_d2d{0};
 std::atomic<int64_t> g_eager_ops{0};
+std::atomic<int64_t> g_fallback_calls{0};
+std::atomic<int64_t> g_fallback_d2h{0};
+std::atomic<int64_t> g_fallback_h2d{0};
 thread_local int t_device = 0;
 thread_local int t_suspend_counting = 0;
 
@@ -40,6 +44,13 @@ namespace {
 std::mutex g_sig_mu;
 std::unordered_set<std::string> g_signatures;
 std::vector<std::string> g_signature_order;
+
+std::mutex g_fallback_mu;
+std::atomic<bool> g_has_fallback_ops{false};
+std::unordered_set<std::string> g_fallback_ops;
+// Per op, in first-seen order: how many times it ran on the host.
+std::vector<std::pair<std::string, int64_t>> g_fallback_counts;
+std::unordered_map<std::string, size_t> g_fallback_slot;
 
 std::string human_bytes(int64_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -87,6 +98,30 @@ void record_signature(std::string sig) {
   std::lock_guard<std::mutex> lock(g_sig_mu);
   if (g_signatures.insert(sig).second) {
     g_signature_order.push_back(std::move(sig));
+  }
+}
+
+bool is_cpu_fallback_op(const std::string& name) {
+  if (!g_has_fallback_ops.load()) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(g_fallback_mu);
+  return g_fallback_ops.count(name) > 0;
+}
+
+void record_cpu_fallback(const std::string& name, int64_t d2h, int64_t h2d) {
+  g_fallback_calls.fetch_add(1);
+  g_fallback_d2h.fetch_add(d2h);
+  g_fallback_h2d.fetch_add(h2d);
+  g_d2h.fetch_add(d2h);
+  g_h2d.fetch_add(h2d);
+  std::lock_guard<std::mutex> lock(g_fallback_mu);
+  auto it = g_fallback_slot.find(name);
+  if (it == g_fallback_slot.end()) {
+    g_fallback_slot.emplace(name, g_fallback_counts.size());
+    g_fallback_counts.emplace_back(name, 1);
+  } else {
+    g_fallback_counts[it->second].second += 1;
   }
 }
 
@@ -563,9 +598,49 @@ int64_t nsim_counter(int which) {
       return g_d2d.load();
     case 3:
       return g_eager_ops.load();
+    case 4:
+      return g_fallback_calls.load();
+    case 5:
+      return g_fallback_d2h.load();
+    case 6:
+      return g_fallback_h2d.load();
     default:
       return 0;
   }
+}
+
+// The ops that run on the host, newline-separated (replaces the previous set).
+void nsim_set_cpu_fallback_ops(const char* spec) {
+  std::lock_guard<std::mutex> lock(g_fallback_mu);
+  g_fallback_ops.clear();
+  std::istringstream in(spec == nullptr ? "" : spec);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty()) {
+      g_fallback_ops.insert(line);
+    }
+  }
+  g_has_fallback_ops.store(!g_fallback_ops.empty());
+}
+
+// Writes "op\tcount\n" per op that ran on the host (first-seen order); returns the size needed.
+int64_t nsim_cpu_fallback_counts(char* buf, int64_t len) {
+  std::lock_guard<std::mutex> lock(g_fallback_mu);
+  std::string all;
+  for (const auto& entry : g_fallback_counts) {
+    all += entry.first + '\t' + std::to_string(entry.second) + '\n';
+  }
+  if (buf != nullptr && len >= static_cast<int64_t>(all.size())) {
+    std::memcpy(buf, all.data(), all.size());
+  }
+  return static_cast<int64_t>(all.size());
+}
+
+// torch_neuronx.clear_op_tracking(): forget which ops ran on the host (the byte counters stay).
+void nsim_clear_cpu_fallback_counts() {
+  std::lock_guard<std::mutex> lock(g_fallback_mu);
+  g_fallback_counts.clear();
+  g_fallback_slot.clear();
 }
 
 int64_t nsim_signature_count() {
@@ -592,6 +667,10 @@ void nsim_reset_stats() {
   g_d2h.store(0);
   g_d2d.store(0);
   g_eager_ops.store(0);
+  g_fallback_calls.store(0);
+  g_fallback_d2h.store(0);
+  g_fallback_h2d.store(0);
+  nsim_clear_cpu_fallback_counts();
   {
     std::lock_guard<std::mutex> lock(g_sig_mu);
     g_signatures.clear();

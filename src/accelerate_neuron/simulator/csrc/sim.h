@@ -37,6 +37,10 @@ void check_usable();
 void mark_initialized();
 void check_device_index(int index);
 void record_signature(std::string sig);
+// Ops the real backend runs on the host (its CPU_FALLBACK list, as configured from Python).
+bool is_cpu_fallback_op(const std::string& name);
+// One host round trip of `name`: `d2h` bytes of device inputs copied out, `h2d` bytes of results back.
+void record_cpu_fallback(const std::string& name, int64_t d2h, int64_t h2d);
 c10::Allocator* device_allocator();
 const at::Generator& default_generator(int device);
 at::Generator cpu_generator_for(const at::Generator& gen);
