@@ -34,6 +34,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "generation": "accelerate_neuron.builtin.generation",
     "training": "accelerate_neuron.builtin.training",
     "launch": "accelerate_neuron.builtin.launch",
+    "serving": "accelerate_neuron.builtin.serving",
     "warmup": "accelerate_neuron.builtin.warmup",
 }
 

@@ -184,15 +184,15 @@ def choose_static_cache(model: Any, generation_config: Any, model_kwargs: dict[s
 _COMPILE_KEYS = ("backend", "dynamic", "fullgraph", "mode", "options")
 
 
-def default_compile_config() -> Any:
-    """``CompileConfig`` from the ``neuron_compile_config(purpose="generate")`` hook."""
+def default_compile_config(purpose: str = "generate") -> Any:
+    """``CompileConfig`` from the ``neuron_compile_config`` hook's answer for ``purpose``."""
     from transformers.generation.configuration_utils import CompileConfig
 
-    settings = call_hook("neuron_compile_config", purpose="generate") or {}
+    settings = call_hook("neuron_compile_config", purpose=purpose) or {}
     unknown = sorted(set(settings) - set(_COMPILE_KEYS))
     if unknown:
         raise ValueError(
-            f"neuron_compile_config returned unknown key(s) {unknown} for 'generate'; allowed: {list(_COMPILE_KEYS)}"
+            f"neuron_compile_config returned unknown key(s) {unknown} for {purpose!r}; allowed: {list(_COMPILE_KEYS)}"
         )
     values = {k: v for k, v in settings.items() if v is not None or k == "dynamic"}
     # torch.compile forwards any mode but "default" to a non-inductor backend as a kwarg.
