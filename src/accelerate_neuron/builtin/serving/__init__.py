@@ -29,28 +29,17 @@ built-in answers here: ``neuron_serving_shape_policy``,
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 from ...hookspecs import hookimpl
 from ...patching import Patch
 from . import cache_update, plan, staging, steps, wrappers
 
-CB = "transformers.generation.continuous_batching"
+CB = plan.CB
 _LACKING = (
     "every release whose continuous batching has compile configs and padding (5.x); 4.57's earlier continuous "
     "batching has neither (no model_runner module), so these patches skip there"
 )
-
-
-def _without_step_padding(_original: Any) -> str | None:
-    """Feature probe: the release's continuous batching pads and compiles its step (a ``model_runner`` module)."""
-    if importlib.util.find_spec(f"{CB}.model_runner") is None:
-        return (
-            f"this release's continuous batching has no {CB}.model_runner (no step padding or compile configs, "
-            "e.g. 4.57): left as upstream has it"
-        )
-    return None
 
 
 @hookimpl
@@ -63,7 +52,7 @@ def neuron_patches() -> list[Patch]:
             reason="continuous batching on Neuron gets a token budget, a KV cache sized for the core, a request cap "
             "and the 'neuron' compile config of its step, where the caller set none",
             lacking=_LACKING,
-            needed=_without_step_padding,
+            needed=plan.without_step_padding,
             params=("config", "cb_config", "workload_hints", "device"),
             aliases=(f"{CB}.continuous_api.resolve_continuous_batching_config",),
             name="serving.config",
@@ -75,7 +64,7 @@ def neuron_patches() -> list[Patch]:
             reason="a step's inputs are built on the host and sent once per step at the bucket's shape, instead "
             "of request-sized device writes that compile eager ops for every batch composition",
             lacking=_LACKING,
-            needed=_without_step_padding,
+            needed=plan.without_step_padding,
             params=("cache", "config", "continuous_batching_config", "device", "model_dtype", "logit_processor"),
             name="serving.host_staging",
         ),
@@ -86,7 +75,7 @@ def neuron_patches() -> list[Patch]:
             reason="a step is padded to (query-token, KV-token) buckets, so its compiled graphs and the eager cache "
             "update see a bounded set of shapes",
             lacking=_LACKING,
-            needed=_without_step_padding,
+            needed=plan.without_step_padding,
             params=("num_q_tokens", "max_kv_read", "use_decode_fast_path"),
             name="serving.buckets",
         ),
@@ -97,7 +86,7 @@ def neuron_patches() -> list[Patch]:
             reason="the warm-up runs every bucket shape (upstream: the largest only), so a warm server compiles "
             "nothing; in precompile workers each shape is claimed, so --jobs splits them",
             lacking=_LACKING,
-            needed=_without_step_padding,
+            needed=plan.without_step_padding,
             params=("model",),
             name="serving.warmup",
         ),
@@ -107,7 +96,7 @@ def neuron_patches() -> list[Patch]:
             steps.wrap_compute_batch,
             reason="a step that compiles after the warm-up is warned about (a stall of minutes on Neuron)",
             lacking=_LACKING,
-            needed=_without_step_padding,
+            needed=plan.without_step_padding,
             params=("model", "batch_data"),
             name="serving.watchdog",
         ),
@@ -119,7 +108,7 @@ def neuron_patches() -> list[Patch]:
             "shifted rows, so every layer runs the same eager shapes instead of one set per layer",
             lacking=_LACKING,
             params=("key_states", "value_states", "layer_idx", "read_index", "write_index"),
-            needed=_without_step_padding,
+            needed=plan.without_step_padding,
             name="serving.cache_update",
         ),
         Patch(
@@ -129,7 +118,7 @@ def neuron_patches() -> list[Patch]:
             reason="a request longer than the KV cache (the largest KV bucket) is refused with a clear error "
             "instead of never being scheduled",
             lacking=_LACKING,
-            needed=_without_step_padding,
+            needed=plan.without_step_padding,
             params=("input_ids", "request_id", "max_new_tokens"),
             name="serving.request_length",
         ),
@@ -140,7 +129,7 @@ def neuron_patches() -> list[Patch]:
             reason="generate_batch checks every input against the KV cache before any starts (upstream logs an "
             "error raised while adding requests and returns an empty result)",
             lacking=_LACKING,
-            needed=_without_step_padding,
+            needed=plan.without_step_padding,
             params=("inputs", "generation_config", "continuous_batching_config"),
             name="serving.batch_length",
         ),

@@ -23,6 +23,7 @@ what the caller set in its ``ContinuousBatchingConfig`` wins over all of them.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import math
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from typing import Any
 
 from ... import device as neuron_device
 from ... import logs, settings
+from ...sizes import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,17 @@ MEMORY_SHARE = 0.9
 #: Where the plan rides on the resolved ContinuousBatchingConfig (upstream deep-copies it: the plan goes along).
 PLAN_ATTR = "_accelerate_neuron_serving_plan"
 _KEYS = ("token_buckets", "kv_buckets", "kv_cache_tokens")
+CB = "transformers.generation.continuous_batching"
+
+
+def without_step_padding(_original: Any = None) -> str | None:
+    """Feature probe of the patches: the release's continuous batching pads and compiles its step (``model_runner``)."""
+    if importlib.util.find_spec(f"{CB}.model_runner") is None:
+        return (
+            f"this release's continuous batching has no {CB}.model_runner (no step padding or compile configs, "
+            "e.g. 4.57): left as upstream has it"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -107,11 +120,7 @@ def kv_bytes_per_token(config: Any) -> int:
 
 def default_policy() -> dict[str, Any]:
     """The built-in answer of ``neuron_serving_shape_policy``."""
-    return {
-        "token_buckets": settings.POW2,
-        "kv_buckets": settings.POW2,
-        "kv_cache_tokens": settings.setting("serving_kv_cache_tokens").default,
-    }
+    return {"token_buckets": settings.POW2, "kv_buckets": settings.POW2}
 
 
 def resolve(config: Any, device: Any) -> ServingPlan | None:
@@ -136,7 +145,8 @@ def resolve(config: Any, device: Any) -> ServingPlan | None:
 
 
 def _fitting_cache_tokens(chosen: settings.Value, per_token: int, device: Any) -> int:
-    """The cache's capacity: the chosen one if it fits the core; the default shrinks to fit, a user's choice fails."""
+    """The cache's capacity: the chosen one if it fits the core; a user's choice that does not is an error, a
+    plugin's or the default shrinks to fit."""
     tokens = int(chosen.value)
     index = neuron_device.core_index(device)
     if index is None:
@@ -145,15 +155,15 @@ def _fitting_cache_tokens(chosen: settings.Value, per_token: int, device: Any) -
     room = int(free * MEMORY_SHARE) // per_token
     if tokens <= room:
         return tokens
-    need = _gib(tokens * per_token)
-    if chosen.source != "default":
+    need = format_size(tokens * per_token)
+    if chosen.explicit:
         raise ValueError(
             f"{KV_CACHE_ENV}={tokens} ({chosen.describe()}) needs {need} of KV cache on neuron:{index}, which has "
-            f"{_gib(free)} free: at most {room} tokens fit ({int(MEMORY_SHARE * 100)}% of it). Set a smaller value."
+            f"{format_size(free)} free: at most {room} tokens fit ({int(MEMORY_SHARE * 100)}% of it). Set a smaller value."
         )
     if room <= 0:
         raise ValueError(
-            f"no room for a KV cache on neuron:{index} ({_gib(free)} free, {per_token} bytes a token): the model "
+            f"no room for a KV cache on neuron:{index} ({format_size(free)} free, {per_token} bytes a token): the model "
             "fills the core. Load it across more cores, or in a smaller dtype."
         )
     logs.once(
@@ -164,15 +174,11 @@ def _fitting_cache_tokens(chosen: settings.Value, per_token: int, device: Any) -
         tokens,
         need,
         index,
-        _gib(free),
+        format_size(free),
         room,
         KV_CACHE_ENV,
     )
     return room
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def apply(plan: ServingPlan, cb_config: Any) -> Any:

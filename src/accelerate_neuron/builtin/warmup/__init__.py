@@ -7,6 +7,10 @@ what the script does, so the real run finds them all in the NEFF cache:
 - ``generate()`` (:mod:`.generation`): one compiled prefill and one decode step
   per distinct (prompt bucket, batch bucket, cache bucket), a stand-in result of
   the real call's length;
+- ``generate_batch()`` (:mod:`.batching`): continuous batching's warm-up over
+  every (query-token bucket, KV bucket) step shape, stand-in results;
+  ``init_continuous_batching().warmup()`` (what ``transformers serve`` runs)
+  warms the same claimed shapes;
 - ``Trainer`` (:mod:`.training`): the Trainer's own steps over one batch per
   distinct length bucket (forward and backward), then the weights restored;
   ``evaluate()`` / ``predict()`` likewise; nothing written to the output folder.
@@ -21,7 +25,8 @@ from __future__ import annotations
 
 from ...hookspecs import hookimpl
 from ...patching import Patch, apply
-from . import generation, session, training
+from ..serving.plan import without_step_padding
+from . import batching, generation, session, training
 
 GEN = "transformers.generation.utils"
 _MIXIN = "GenerationMixin"
@@ -50,6 +55,17 @@ def generation_patches() -> list[Patch]:
                 name=f"warmup.{loop}",
             )
             for loop in ("_sample", "_beam_search")
+        ),
+        Patch(
+            "transformers.generation.continuous_batching.continuous_api",
+            "ContinuousMixin.generate_batch",
+            batching.wrap_generate_batch,
+            reason="precompile: generate_batch() runs continuous batching's warm-up over every step shape (each "
+            "claimed, so --jobs splits them) and returns stand-in results",
+            lacking="every release (a warm-up mode is this plugin's own)",
+            params=("inputs", "generation_config", "continuous_batching_config"),
+            needed=without_step_padding,
+            name="warmup.generate_batch",
         ),
     ]
 
