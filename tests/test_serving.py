@@ -170,7 +170,8 @@ def test_a_warm_server_compiles_nothing_new(grid, sim, model, reference, tok) ->
     assert generated(out) == [cpu_tokens(reference, ids) for ids in second]
     after = simulator.stats()
     assert after["compiles"] == warm["compiles"], misses_by_frame(after)
-    assert after["eager_signatures"] == warm["eager_signatures"], after["eager_signature_list"][warm["eager_signatures"] :]
+    new_ops = after["eager_signature_list"][warm["eager_signatures"] :]
+    assert after["eager_signatures"] == warm["eager_signatures"], new_ops
 
 
 def test_stock_continuous_batching_compiles_eager_ops_per_batch(sim, model, tok, unpatched) -> None:
@@ -409,9 +410,9 @@ def _graphs_by_frame(cache: Path) -> collections.Counter:
 def test_transformers_serve_answers_on_localhost_and_compiles_nothing_after_its_warm_up(qwen, reference, tok) -> None:
     cache = Path(fresh_neff_cache_dir())
     port = _free_port()
+    where = ["--host", "127.0.0.1", "--port", str(port)]
     server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("transformers")), "serve", qwen, "--continuous-batching"]
-        + ["--host", "127.0.0.1", "--port", str(port)],
+        [str(Path(sys.executable).with_name("transformers")), "serve", qwen, "--continuous-batching", *where],
         env=clean_env(
             ACCELERATE_NEURON_SIMULATE="2", TORCH_NEURONX_NEFF_CACHE_DIR=str(cache), OMP_NUM_THREADS="1", **GRID_ENV
         ),

@@ -159,12 +159,13 @@ def _fitting_cache_tokens(chosen: settings.Value, per_token: int, device: Any) -
     if chosen.explicit:
         raise ValueError(
             f"{KV_CACHE_ENV}={tokens} ({chosen.describe()}) needs {need} of KV cache on neuron:{index}, which has "
-            f"{format_size(free)} free: at most {room} tokens fit ({int(MEMORY_SHARE * 100)}% of it). Set a smaller value."
+            f"{format_size(free)} free: at most {room} tokens fit ({int(MEMORY_SHARE * 100)}% of it). Set a smaller "
+            "value."
         )
     if room <= 0:
         raise ValueError(
-            f"no room for a KV cache on neuron:{index} ({format_size(free)} free, {per_token} bytes a token): the model "
-            "fills the core. Load it across more cores, or in a smaller dtype."
+            f"no room for a KV cache on neuron:{index} ({format_size(free)} free, {per_token} bytes a token): the "
+            "model fills the core. Load it across more cores, or in a smaller dtype."
         )
     logs.once(
         logger,
