@@ -241,15 +241,23 @@ def test_a_request_beyond_the_kv_cache_is_refused_naming_the_setting(grid, model
         manager.destroy()
 
 
-def test_buckets_off_is_upstreams_eager_path(monkeypatch, sim, model, reference, tok) -> None:
+def test_buckets_off_is_upstreams_eager_path_with_the_cache_sized_for_the_core(
+    monkeypatch, sim, model, reference, tok
+) -> None:
     monkeypatch.setenv("ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS", "off")
-    monkeypatch.setenv("ACCELERATE_NEURON_SERVING_KV_CACHE_TOKENS", "4096")  # off keeps upstream's own sizing
+    monkeypatch.setenv("ACCELERATE_NEURON_SERVING_KV_CACHE_TOKENS", "4096")
     torch._dynamo.reset()
     first = requests(tok, 2)[:4]
-    cb = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=128)  # upstream would size by host memory
-    out = model.generate_batch(first, generation_config=config(), continuous_batching_config=cb)
+    out = model.generate_batch(first, generation_config=config())
     assert generated(out) == [cpu_tokens(reference, ids) for ids in first]
     assert simulator.stats()["compiles"] == 0
+    # Upstream would size the cache by the host's memory (it knows CUDA, XPU and MPS only): 16 pages of 256 here.
+    manager = model.init_continuous_batching(generation_config=config())
+    try:
+        assert manager.continuous_batching_config.num_blocks == 16
+        assert manager.continuous_batching_config.varlen_compile_config is None
+    finally:
+        manager.destroy()
 
 
 def test_after_warm_up_a_compile_is_warned_about(grid, model, tok, caplog) -> None:
@@ -301,7 +309,8 @@ def test_hook_answers_unless_the_user_set_a_value(monkeypatch, model) -> None:
         monkeypatch.setenv("ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS", "16,32")
         assert serving_plan.resolve(text, model.device).token_buckets == (16, 32)
         monkeypatch.setenv("ACCELERATE_NEURON_SERVING_KV_BUCKETS", "off")
-        assert serving_plan.resolve(text, model.device) is None
+        off = serving_plan.resolve(text, model.device)
+        assert not off.compiled and off.kv_cache_tokens == 2048
 
 
 @pytest.mark.parametrize(
@@ -363,7 +372,8 @@ def test_precompile_warms_generate_batch_then_the_run_compiles_nothing(qwen: str
     proc = cli(["simulate", "--cores", "2", "--json", "--", *script], cache)
     assert proc.returncode == 0, proc.stderr[-4000:]
     real = last_json(proc.stderr)
-    assert (real["compiles"], real["eager_compiles"]) == (0, 0), real
+    missed = {k: real[k] for k in ("compiles", "eager_compiles", "missed")}
+    assert (real["compiles"], real["eager_compiles"]) == (0, 0), json.dumps(missed)[:4000]
     assert set(real["graph_keys"]) <= set(warm["graph_keys"])
     assert all(len(t) == 10 or t[-1:] == [2] for t in real["tokens"]), real["tokens"]
 

@@ -321,7 +321,8 @@ SETTINGS: tuple[Setting, ...] = (
         _BUCKETS,
         "Query tokens a continuous-batching step on Neuron is padded to (`pow2`: 32, 64, ... 512); the largest is "
         "the step's token budget (a longer prompt is split across steps). `off` (here or in "
-        "`ACCELERATE_NEURON_SERVING_KV_BUCKETS`): no padding and no compiled step, upstream's eager path.",
+        "`ACCELERATE_NEURON_SERVING_KV_BUCKETS`): no padding and no compiled step, upstream's eager path (the KV "
+        "cache keeps its Neuron size).",
         "serving",
         hook="neuron_serving_shape_policy",
     ),

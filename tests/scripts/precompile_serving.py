@@ -39,6 +39,8 @@ def main() -> None:
                 "eager_compiles": st["eager_compiles"],
                 "eager_cache_hits": st["eager_cache_hits"],
                 "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
+                "missed": [[g.get("frame"), g["inputs"][:3]] for g in st["graphs"] if g["cache"] == "miss"],
+                "eager_signatures": st["eager_signature_list"],
                 "tokens": [r.generated_tokens for r in results.values()],
             }
         )

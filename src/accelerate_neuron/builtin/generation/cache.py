@@ -249,15 +249,15 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
 GRAPH_ROOM = 256
 
 
-def make_room_for_buckets() -> None:
-    """Raise Dynamo's recompile limit so the bucketed graphs of one ``generate`` frame never fall back to eager."""
+def make_room_for_buckets(why: str = "generate() compiles one graph per prompt/batch/cache bucket") -> None:
+    """Raise Dynamo's recompile limit so the bucketed graphs of one frame never fall back to eager."""
     import torch._dynamo.config as dynamo_config
 
     if dynamo_config.recompile_limit < GRAPH_ROOM:
         logger.info(
-            "accelerate_neuron: torch._dynamo.config.recompile_limit raised from %d to %d: generate() compiles one "
-            "graph per prompt/batch/cache bucket in one frame",
+            "accelerate_neuron: torch._dynamo.config.recompile_limit raised from %d to %d: %s in one frame",
             dynamo_config.recompile_limit,
             GRAPH_ROOM,
+            why,
         )
         dynamo_config.recompile_limit = GRAPH_ROOM

@@ -27,7 +27,7 @@ import importlib.util
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ... import device as neuron_device
@@ -70,9 +70,10 @@ def without_step_padding(_original: Any = None) -> str | None:
 class ServingPlan:
     """The buckets of continuous batching on Neuron, and which dimensions the caller pads upstream's way."""
 
-    token_buckets: tuple[int, ...]  # ascending; the last is the step's token budget
+    token_buckets: tuple[int, ...]  # ascending; the last is the step's token budget (empty: buckets off)
     kv_buckets: tuple[int, ...]  # ascending; the cache's capacity is added as the last at run time
     kv_cache_tokens: int
+    compiled: bool = True  # steps padded and compiled (False: buckets off, upstream's eager path)
     queries_by_interval: bool = False  # the caller set q_padding_interval_size: upstream pads queries
     kv_by_interval: bool = False  # the caller set kv_padding_interval_size: upstream pads KV reads
 
@@ -110,12 +111,18 @@ def pow2(low: int, high: int) -> tuple[int, ...]:
 def kv_bytes_per_token(config: Any) -> int:
     """Bytes one token takes in the paged KV cache: keys and values of every layer, in the model's dtype."""
     import torch
-    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
 
+    try:  # the cache's own arithmetic, where the release has it
+        from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+        heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
+    except ImportError:
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = getattr(config, "dtype", None)
     itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else torch.float32.itemsize
     layers = int(getattr(config, "num_hidden_layers", 1) or 1)
-    return 2 * layers * find_num_key_value_heads(config) * find_head_dim(config) * itemsize
+    return 2 * layers * heads * head_dim * itemsize
 
 
 def default_policy() -> dict[str, Any]:
@@ -123,8 +130,8 @@ def default_policy() -> dict[str, Any]:
     return {"token_buckets": settings.POW2, "kv_buckets": settings.POW2}
 
 
-def resolve(config: Any, device: Any) -> ServingPlan | None:
-    """The plan in force for a model of ``config`` on Neuron ``device``; None when the buckets are off."""
+def resolve(config: Any, device: Any) -> ServingPlan:
+    """The plan in force for a model of ``config`` on Neuron ``device`` (buckets off: not ``compiled``)."""
     from ...plugins import call_hook
 
     per_token = kv_bytes_per_token(config)
@@ -134,9 +141,9 @@ def resolve(config: Any, device: Any) -> ServingPlan | None:
         raise ValueError(f"neuron_serving_shape_policy returned {answer!r}: expected a dict with keys among {_KEYS}")
     chosen = {key: settings.resolve(f"serving_{key}", hook=lambda k=key: (answer or {}).get(k)) for key in _KEYS}
     tokens, kv = chosen["token_buckets"].value, chosen["kv_buckets"].value
-    if not tokens or not kv:
-        return None
     cache_tokens = _fitting_cache_tokens(chosen["kv_cache_tokens"], per_token, device)
+    if not tokens or not kv:
+        return ServingPlan((), (), cache_tokens, compiled=False)
     return ServingPlan(
         token_buckets=pow2(MIN_TOKEN_BUCKET, MAX_TOKEN_BUCKET) if tokens == settings.POW2 else tokens,
         kv_buckets=pow2(MIN_KV_BUCKET, cache_tokens) if kv == settings.POW2 else kv,
@@ -185,19 +192,22 @@ def _fitting_cache_tokens(chosen: settings.Value, per_token: int, device: Any) -
 def apply(plan: ServingPlan, cb_config: Any) -> Any:
     """A copy of the caller's ``ContinuousBatchingConfig`` with Neuron's choices where the caller made none.
 
-    The caller's own values win: ``max_batch_tokens`` (the token budget; buckets above it are dropped),
-    ``num_blocks`` (the cache's size), ``max_requests_per_batch``, ``varlen_compile_config``, and the
-    padding intervals (that dimension is then padded upstream's way).
+    The caller's own values win: ``num_blocks`` (the cache's size, set by the plan even with buckets off),
+    ``max_batch_tokens`` (the token budget; buckets above it are dropped), ``max_requests_per_batch``,
+    ``varlen_compile_config``, and the padding intervals (that dimension is then padded upstream's way).
     """
     from transformers.generation.configuration_utils import CompileConfig
 
     from ..generation.cache import default_compile_config
 
     chosen = copy.deepcopy(cb_config)
+    if chosen.num_blocks is None:
+        # Upstream sizes the cache from the memory of CUDA, XPU, MPS or else the host: on Neuron, the host's.
+        chosen.num_blocks = max(1, math.ceil(plan.kv_cache_tokens / chosen.page_size))
+    if not plan.compiled:
+        return chosen
     if chosen.max_batch_tokens is None:
         chosen.max_batch_tokens = plan.token_buckets[-1]
-    if chosen.num_blocks is None:
-        chosen.num_blocks = max(1, math.ceil(plan.kv_cache_tokens / chosen.page_size))
     if chosen.max_requests_per_batch is None:
         chosen.max_requests_per_batch = min(MAX_REQUESTS, chosen.max_batch_tokens)
     if chosen.varlen_compile_config is None:
@@ -209,8 +219,6 @@ def apply(plan: ServingPlan, cb_config: Any) -> Any:
 
 def with_intervals(plan: ServingPlan, cb_config: Any) -> ServingPlan:
     """``plan``, noting the padding intervals the caller set (upstream then pads that dimension)."""
-    from dataclasses import replace
-
     return replace(
         plan,
         queries_by_interval=bool(cb_config.q_padding_interval_size),
@@ -225,5 +233,5 @@ def capacity(cb_config: Any) -> int | None:
 
 
 def of(cb_config: Any) -> ServingPlan | None:
-    """The plan riding on a resolved ``ContinuousBatchingConfig`` (None: not on Neuron, or buckets off)."""
+    """The plan riding on a resolved ``ContinuousBatchingConfig`` (None: not on Neuron)."""
     return getattr(cb_config, PLAN_ATTR, None)

@@ -25,20 +25,22 @@ from ... import logs
 from ..generation.cache import make_room_for_buckets
 from ..training import watchdog
 from ..warmup import session
+from ..warmup.generation import model_tag
 from . import plan as serving_plan
 
 logger = logging.getLogger(__name__)
 
 _WARMED = "_accelerate_neuron_warmed_grid"
-#: Graphs one step shape compiles on a cold cache at most: the pieces between the cache updates upstream keeps
-#: eager that depend on the KV length (the attention), the others being shared with another KV bucket.
+#: Graphs a step shape adds on a cold cache, for precompile's ETA: the attention between two cache updates depends
+#: on the KV bucket; the other pieces are shared across KV buckets, and identical layers' pieces are one graph.
 GRAPHS_PER_SHAPE = 1
 
 
 def _plan(runner: Any) -> serving_plan.ServingPlan | None:
-    if not getattr(runner, "pad_inputs", False):
+    plan = serving_plan.of(runner.cb_config)
+    if plan is None or not plan.compiled or not getattr(runner, "pad_inputs", False):
         return None
-    return serving_plan.of(runner.cb_config)
+    return plan
 
 
 def wrap_maybe_pad_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,7 +50,8 @@ def wrap_maybe_pad_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
         padded_q, padded_kv = original(self, num_q_tokens, max_kv_read, use_decode_fast_path)
         if plan is None or use_decode_fast_path:
             return padded_q, padded_kv
-        make_room_for_buckets()  # one compiled step per bucket: Dynamo's default limit (8) would fall back to eager
+        # Dynamo's default limit (8 graphs a frame) would run the steps of later buckets eagerly.
+        make_room_for_buckets("continuous batching compiles its step once per (query, KV) bucket")
         if not plan.queries_by_interval:
             padded_q = plan.token_bucket(num_q_tokens, self.cache.max_batch_tokens)
         if not plan.kv_by_interval:
@@ -76,13 +79,22 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
         started = time.perf_counter()
         before = watchdog.compile_count() if watchdog.ensure_compile_counter() else None
         for tokens, kv in shapes:
-            shape = {"model": _model_tag(model), "tokens": tokens, "kv": kv}
+            shape = {"model": model_tag(model), "tokens": tokens, "kv": kv}
             if warm is not None and not warm.claim("continuous_batching", shape, GRAPHS_PER_SHAPE):
                 continue
             shape_started = time.perf_counter()
             # Upstream's own one-step warm-up, at exactly the bucket's sizes (so the step's ints match a real one).
-            self.run_one_warmup(model=model, num_q_tokens=tokens, max_kv_read=kv)
-            if warm is not None:
+            # It logs and swallows any failure, returning 0 s: this shape then compiles when a step first needs it.
+            if not self.run_one_warmup(model=model, num_q_tokens=tokens, max_kv_read=kv):
+                logs.once(
+                    logger,
+                    ("serving.warmup_failed", tokens, kv),
+                    "accelerate_neuron: continuous batching could not warm the step of %d query tokens and %d KV "
+                    "tokens (see upstream's warning above): it will compile when a step first needs it.",
+                    tokens,
+                    kv,
+                )
+            elif warm is not None:
                 warm.done("continuous_batching", shape, time.perf_counter() - shape_started)
         self.cache.reset()  # the warm-up's requests leave no block behind
         setattr(self, _WARMED, set(shapes))
@@ -95,12 +107,6 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
         )
 
     return warmup
-
-
-def _model_tag(model: Any) -> str:
-    from ..warmup.generation import model_tag
-
-    return model_tag(model)
 
 
 def wrap_compute_batch(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,6 +16,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ... import device as neuron_device
@@ -36,16 +37,14 @@ def wrap_resolve_config(original: Callable[..., Any]) -> Callable[..., Any]:
         if device is None or not neuron_device.is_neuron(device):
             return original(*args, **kwargs)
         config, cb_config = bound.arguments["config"], bound.arguments["cb_config"]
-        plan = serving_plan.resolve(config, device)
-        if plan is None:
-            return original(*args, **kwargs)
-        plan = serving_plan.with_intervals(plan, cb_config)
+        plan = serving_plan.with_intervals(serving_plan.resolve(config, device), cb_config)
         bound.arguments["cb_config"] = serving_plan.apply(plan, cb_config)
         resolved = original(*bound.args, **bound.kwargs)
-        if resolved.varlen_compile_config is None:
-            return resolved  # e.g. a flash attention varlen path upstream does not compile: nothing to bucket
+        if plan.compiled and resolved.varlen_compile_config is None:
+            plan = replace(plan, compiled=False)  # e.g. a flash attention varlen path upstream does not compile
         setattr(resolved, serving_plan.PLAN_ATTR, plan)
-        _announce(plan, resolved)
+        if plan.compiled:
+            _announce(plan, resolved)
         return resolved
 
     return resolve
@@ -138,8 +137,6 @@ def _resolved_for(model: Any, cb_config: Any) -> Any:
     if cached is not None:
         return cached.continuous_batching_config
     plan = serving_plan.resolve(model.config.get_text_config(), model.device)
-    if plan is None:
-        return None
     chosen = serving_plan.apply(plan, cb_config or ContinuousBatchingConfig())
     setattr(chosen, serving_plan.PLAN_ATTR, plan)
     return chosen
