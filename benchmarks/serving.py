@@ -14,6 +14,8 @@ Scenarios, each on a fresh model with Dynamo reset and a cold (memory-only) NEFF
 - ``patched``: accelerate-neuron as installed, default settings (query buckets
   32 ... 512, KV buckets 512 ... 16,384, a 16,384-token cache), upstream's
   default warm-up (the whole grid on Neuron) before the first wave;
+- ``patched, fewer buckets``: the same with query buckets 16, 64, 256, 512 and
+  KV buckets 2,048, 8,192, 16,384 (the graphs-versus-padding trade-off);
 - ``stock``: every accelerate-neuron patch reverted, with the same cache size
   and token budget as ``patched`` (stock sizes the cache from the host's memory
   on Neuron: upstream's memory probe knows CUDA, XPU and MPS only).
@@ -30,10 +32,12 @@ Trainium's). The tokens of every request are checked equal across scenarios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 
 os.environ.setdefault("ACCELERATE_NEURON_SIMULATE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,6 +55,10 @@ from accelerate_neuron.costs import describe, estimate
 from accelerate_neuron.simulator import neff_cache
 
 NEW_TOKENS = ((8, 0.4), (16, 0.3), (32, 0.2), (64, 0.1))
+FEWER = {
+    serving_plan.TOKEN_BUCKETS_ENV: "16,64,256,512",
+    serving_plan.KV_BUCKETS_ENV: "2048,8192",
+}
 CONTEXT = 2048
 
 
@@ -150,6 +158,25 @@ def fresh_model():
     return tiny.model("qwen3", initializer_range=0.3, max_position_embeddings=CONTEXT).to("neuron")
 
 
+@contextlib.contextmanager
+def fewer_buckets() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in FEWER}
+    os.environ.update(FEWER)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def grid(plan: serving_plan.ServingPlan) -> str:
+    kv = plan.kv_grid(plan.kv_cache_tokens)
+    return f"query buckets {', '.join(map(str, plan.token_buckets))} x KV buckets {', '.join(map(str, kv))}"
+
+
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
@@ -166,13 +193,17 @@ def main() -> None:
     model = fresh_model()
     patched_tokens, patched = serve(model, requests, args.waves, None)
     resolved = serving_plan.resolve(model.config.get_text_config(), model.device)
+    with fewer_buckets():
+        model = fresh_model()
+        fewer_tokens, fewer = serve(model, requests, args.waves, None)
+        coarse = serving_plan.resolve(model.config.get_text_config(), model.device)
     # Stock gets the patched run's cache size and token budget (it would size the cache from host memory).
     blocks = -(-resolved.kv_cache_tokens // ContinuousBatchingConfig().page_size)
     stock_cb = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=resolved.token_buckets[-1])
     model = fresh_model()
     with activation.unpatched():
         stock_tokens, stock = serve(model, requests, args.waves, stock_cb)
-    mismatches = sum(a != b for a, b in zip(patched_tokens, stock_tokens, strict=True))
+    mismatches = sum(a != b or c != b for a, b, c in zip(patched_tokens, stock_tokens, fewer_tokens, strict=True))
 
     lengths = sorted(len(p) for p, _ in requests)
     news = [n for _, n in requests]
@@ -183,17 +214,17 @@ def main() -> None:
         f"Command: `python benchmarks/serving.py --requests {args.requests} --waves {args.waves} --seed {args.seed}`. "
         f"{args.requests} requests in {args.waves} waves; prompt tokens: median {lengths[len(lengths) // 2]}, "
         f"90th percentile {lengths[int(0.9 * (len(lengths) - 1))]}, max {lengths[-1]}; max_new_tokens "
-        f"8/16/32/64: {', '.join(str(news.count(n)) for n, _ in NEW_TOKENS)} requests. Patched grid: query buckets "
-        f"{', '.join(map(str, resolved.token_buckets))} x KV buckets {', '.join(map(str, resolved.kv_buckets))}. "
-        f"Tokens differing between patched and stock: {mismatches} of {len(requests)}.",
+        f"8/16/32/64: {', '.join(str(news.count(n)) for n, _ in NEW_TOKENS)} requests. Patched: "
+        f"{grid(resolved)}; fewer buckets: {grid(coarse)}. "
+        f"Requests whose tokens differ between the scenarios: {mismatches} of {len(requests)}.",
         "",
         "| scenario | wave | graphs compiled | eager signatures | est. Trainium compile | query tokens computed / "
         "real | KV tokens read / real | steps | CPU wall |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, rows in (("patched", patched), ("stock", stock)):
+    for name, rows in (("patched", patched), ("patched, fewer buckets", fewer), ("stock", stock)):
         for wave, row in enumerate(rows, 1):
-            label = f"{wave}" + (" (with warm-up)" if wave == 1 and name == "patched" else "")
+            label = f"{wave}" + (" (with warm-up)" if wave == 1 and name != "stock" else "")
             lines.append(
                 f"| {name} | {label} | {row['graphs']} | {row['eager']} | {minutes(row['estimate']['seconds'])} | "
                 f"{row['q_overhead']:.2f} | {row['kv_overhead']:.2f} | {row['steps']} | {row['seconds']:.1f} s |"
