@@ -133,6 +133,7 @@ def _module_device(module: Any) -> Any:
     return None
 
 
+
 def wrap_ddp_init(original: Any) -> Any:
     def __init__(self: Any, module: Any, device_ids: Any = None, output_device: Any = None, *args: Any, **kwargs: Any):
         where = _module_device(module)
