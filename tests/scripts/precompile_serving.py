@@ -3,7 +3,7 @@
     python precompile_serving.py MODEL_DIR
 
 Nothing here knows about precompile. It prints one JSON line: the simulator's counts, the cache keys of the graphs
-this run handed to the compiler (hits and misses) and the tokens generate_batch returned.
+this run handed to the compiler (hits and misses), the graphs it compiled and the tokens generate_batch returned.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ def main() -> None:
                 "eager_cache_hits": st["eager_cache_hits"],
                 "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
                 "missed": [[g.get("frame"), g["inputs"][:3]] for g in st["graphs"] if g["cache"] == "miss"],
-                "eager_signatures": st["eager_signature_list"],
                 "tokens": [r.generated_tokens for r in results.values()],
             }
         )
