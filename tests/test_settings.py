@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from accelerate_neuron import files, logs, plugins, settings
+from accelerate_neuron import files, logs, plugins, settings, tiny
 from accelerate_neuron.builtin.generation import cache as gcache
 from accelerate_neuron.builtin.generation import shapes as gshapes
+from accelerate_neuron.builtin.serving import plan as serving_plan
 from accelerate_neuron.builtin.training import shapes as tshapes
 from accelerate_neuron.hookspecs import hookimpl
 from helpers import REPO, run_python
@@ -85,6 +86,8 @@ def _bucket_entry_points() -> dict[str, Any]:
             100, 256, settings.explicit("cache_buckets").value if settings.explicit("cache_buckets") else "pow2"
         ),
         "train_buckets": lambda: tshapes.resolve_policy(1024).buckets,
+        "serving_token_buckets": lambda: serving_plan.resolve(tiny.config("qwen3"), "cpu").token_buckets,
+        "serving_kv_buckets": lambda: serving_plan.resolve(tiny.config("qwen3"), "cpu").kv_buckets,
     }
 
 

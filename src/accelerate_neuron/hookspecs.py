@@ -61,10 +61,12 @@ def neuron_generation_tensor_device(name: str, model_device: torch.device) -> to
 
 @hookspec(firstresult=True)
 def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
-    """Default ``torch.compile`` settings for ``purpose`` (``"generate"``, ``"forward"`` or ``"train"``).
+    """Default ``torch.compile`` settings for ``purpose`` (``"generate"``, ``"forward"``, ``"train"`` or ``"serving"``).
 
     ``"forward"``: the bucketed inference calls (``model(...)`` without gradients,
-    pipelines, sentence-transformers).
+    pipelines, sentence-transformers). ``"serving"`` is continuous batching's step
+    (``generate_batch``, ``transformers serve``); its built-in answer has
+    ``fullgraph`` False: upstream keeps the paged cache's update out of the graph.
 
     Keys: ``backend``, ``dynamic``, ``fullgraph``, ``mode``. The built-in
     answer is ``{"backend": "neuron", "dynamic": False, "fullgraph": False, "mode": None}``.
@@ -111,4 +113,21 @@ def neuron_training_shape_policy(max_length: int | None) -> dict[str, Any] | Non
     keep the built-in default: powers of two from 64 up to ``max_length``,
     ``drop_last=True``. The ``train_buckets`` setting the user set
     (``ACCELERATE_NEURON_TRAIN_BUCKETS``) overrides the buckets of any plugin.
+    """
+
+
+@hookspec(firstresult=True)
+def neuron_serving_shape_policy(max_position_embeddings: int | None, kv_bytes_per_token: int) -> dict[str, Any] | None:
+    """The shapes continuous batching (``generate_batch``, ``transformers serve``) compiles for on Neuron.
+
+    ``kv_bytes_per_token`` is what one token of the model's paged KV cache
+    takes (keys and values of every layer). Returns a dict with any of
+    ``"token_buckets"`` (ascending query-token counts a step is padded to;
+    the largest is the step's token budget), ``"kv_buckets"`` (ascending
+    KV-token counts a step reads; the cache's capacity is always the last),
+    ``"kv_cache_tokens"`` (the paged cache's capacity in tokens). ``"pow2"``
+    and ``"off"`` are accepted as for the settings; a missing key keeps the
+    built-in default (powers of two: tokens 32 ... 512, KV 512 ... capacity;
+    16384 tokens of cache). The ``serving_*`` settings the user set
+    (``ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS``, ...) win over any plugin.
     """

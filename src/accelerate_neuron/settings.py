@@ -105,6 +105,13 @@ def parse_count(value: Any) -> int:
     return int(text)
 
 
+def parse_positive_count(value: Any) -> int:
+    count = parse_count(value)
+    if count <= 0:
+        raise ValueError("")
+    return count
+
+
 def parse_text(value: Any) -> str:
     return str(value).strip()
 
@@ -317,6 +324,42 @@ SETTINGS: tuple[Setting, ...] = (
         "a number of calls (>= 0), e.g. `1`",
         "Calls of a compiled model before a new graph counts as a recompile and is warned about.",
         "training",
+    ),
+    # --- continuous batching (generate_batch, init_continuous_batching, `transformers serve --continuous-batching`)
+    Setting(
+        "serving_token_buckets",
+        parse_buckets,
+        POW2,
+        _BUCKETS,
+        "Query tokens a continuous-batching step on Neuron is padded to (`pow2`: 32, 64, ... 512); the largest is "
+        "the step's token budget (a longer prompt is split across steps). `off` (here or in "
+        "`ACCELERATE_NEURON_SERVING_KV_BUCKETS`): no padding and no compiled step, upstream's eager path (the KV "
+        "cache keeps its Neuron size).",
+        "serving",
+        hook="neuron_serving_shape_policy",
+    ),
+    Setting(
+        "serving_kv_buckets",
+        parse_buckets,
+        POW2,
+        _BUCKETS,
+        "KV-cache tokens one continuous-batching step reads (all its requests together), padded to (`pow2`: 512, "
+        "1024, ... up to the cache's capacity, which is always the last bucket). `off`: as for "
+        "`ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS`.",
+        "serving",
+        hook="neuron_serving_shape_policy",
+    ),
+    Setting(
+        "serving_kv_cache_tokens",
+        parse_positive_count,
+        16384,
+        "a number of tokens (> 0), e.g. `32768`",
+        "Tokens the paged KV cache of continuous batching holds on its core (16384: 2 GiB for a Llama-3.1-8B in "
+        "bf16, 128 KiB a token). A request longer than this (prompt + max_new_tokens) is refused with an error. "
+        "The default shrinks, with a warning, to what fits in 90% of the core's free memory; a value you set that "
+        "does not fit is an error.",
+        "serving",
+        hook="neuron_serving_shape_policy",
     ),
     # --- set by the commands (children read them); listed so that `env` and the reference know them
     Setting(

@@ -184,15 +184,15 @@ def choose_static_cache(model: Any, generation_config: Any, model_kwargs: dict[s
 _COMPILE_KEYS = ("backend", "dynamic", "fullgraph", "mode", "options")
 
 
-def default_compile_config() -> Any:
-    """``CompileConfig`` from the ``neuron_compile_config(purpose="generate")`` hook."""
+def default_compile_config(purpose: str = "generate") -> Any:
+    """``CompileConfig`` from the ``neuron_compile_config`` hook's answer for ``purpose``."""
     from transformers.generation.configuration_utils import CompileConfig
 
-    settings = call_hook("neuron_compile_config", purpose="generate") or {}
+    settings = call_hook("neuron_compile_config", purpose=purpose) or {}
     unknown = sorted(set(settings) - set(_COMPILE_KEYS))
     if unknown:
         raise ValueError(
-            f"neuron_compile_config returned unknown key(s) {unknown} for 'generate'; allowed: {list(_COMPILE_KEYS)}"
+            f"neuron_compile_config returned unknown key(s) {unknown} for {purpose!r}; allowed: {list(_COMPILE_KEYS)}"
         )
     values = {k: v for k, v in settings.items() if v is not None or k == "dynamic"}
     # torch.compile forwards any mode but "default" to a non-inductor backend as a kwarg.
@@ -249,15 +249,15 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
 GRAPH_ROOM = 256
 
 
-def make_room_for_buckets() -> None:
-    """Raise Dynamo's recompile limit so the bucketed graphs of one ``generate`` frame never fall back to eager."""
+def make_room_for_buckets(why: str = "generate() compiles one graph per prompt/batch/cache bucket") -> None:
+    """Raise Dynamo's recompile limit so the bucketed graphs of one frame never fall back to eager."""
     import torch._dynamo.config as dynamo_config
 
     if dynamo_config.recompile_limit < GRAPH_ROOM:
         logger.info(
-            "accelerate_neuron: torch._dynamo.config.recompile_limit raised from %d to %d: generate() compiles one "
-            "graph per prompt/batch/cache bucket in one frame",
+            "accelerate_neuron: torch._dynamo.config.recompile_limit raised from %d to %d: %s in one frame",
             dynamo_config.recompile_limit,
             GRAPH_ROOM,
+            why,
         )
         dynamo_config.recompile_limit = GRAPH_ROOM

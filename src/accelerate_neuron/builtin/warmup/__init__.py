@@ -10,6 +10,10 @@ what the script does, so the real run finds them all in the NEFF cache:
 - bucketed inference calls (:mod:`.forward`): each distinct (model, length
   bucket, batch bucket, arguments) compiled by one worker, stand-in outputs
   elsewhere;
+- ``generate_batch()`` (:mod:`.batching`): continuous batching's warm-up over
+  every (query-token bucket, KV bucket) step shape, stand-in results;
+  ``init_continuous_batching().warmup()`` (what ``transformers serve`` runs)
+  warms the same claimed shapes;
 - ``Trainer`` (:mod:`.training`): the Trainer's own steps over one batch per
   distinct length bucket (forward and backward), then the weights restored;
   ``evaluate()`` / ``predict()`` likewise; nothing written to the output folder.
@@ -24,7 +28,8 @@ from __future__ import annotations
 
 from ...hookspecs import hookimpl
 from ...patching import Patch, apply
-from . import forward, generation, session, training
+from ..serving.plan import without_step_padding
+from . import batching, forward, generation, session, training
 
 GEN = "transformers.generation.utils"
 _MIXIN = "GenerationMixin"
@@ -53,6 +58,17 @@ def generation_patches() -> list[Patch]:
                 name=f"warmup.{loop}",
             )
             for loop in ("_sample", "_beam_search")
+        ),
+        Patch(
+            "transformers.generation.continuous_batching.continuous_api",
+            "ContinuousMixin.generate_batch",
+            batching.wrap_generate_batch,
+            reason="precompile: generate_batch() runs continuous batching's warm-up over every step shape (each "
+            "claimed, so --jobs splits them) and returns stand-in results",
+            lacking="every release (a warm-up mode is this plugin's own)",
+            params=("inputs", "generation_config", "continuous_batching_config"),
+            needed=without_step_padding,
+            name="warmup.generate_batch",
         ),
     ]
 
