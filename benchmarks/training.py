@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-NEFF_SECONDS = (25, 140)  # per compiled graph on Trainium (DESIGN.md cost model)
+NEFF_SECONDS = (25, 140)  # per compiled graph on Trainium (the range accelerate_neuron.costs describes)
 MODES = {
     "upstream": {"ACCELERATE_NEURON_DISABLE": "training"},
     "buckets off": {"ACCELERATE_NEURON_TRAIN_BUCKETS": "off"},

@@ -5,6 +5,7 @@ Flag validation and the report logic are also checked in-process, where they are
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from accelerate_neuron.cli import main
+from accelerate_neuron.cli import build_parser, main
 from accelerate_neuron.cli._dryrun import build_report, recompile_causes
 from accelerate_neuron.simulator.report import compress_entries, summarize_module
 from helpers import REPO, clean_env, last_json
@@ -70,6 +71,38 @@ def test_bad_flags_name_the_flag_and_what_is_allowed(
         main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_every_multi_word_flag_also_takes_underscores(capsys: pytest.CaptureFixture[str]) -> None:
+    """As accelerate's and torchrun's: `--max_new_tokens` is `--max-new-tokens`; help shows the dashed spelling."""
+    checked = set()
+    for name, sub in _subcommands().items():
+        for action in sub._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and "-" in option[2:] and action.help != argparse.SUPPRESS:
+                    alias = "--" + option[2:].replace("-", "_")
+                    assert sub._option_string_actions[alias].dest == action.dest, (name, alias)
+                    listed = [line for line in sub.format_help().splitlines() if line.strip().startswith("-")]
+                    assert alias not in sub.format_usage() and not any(alias in line for line in listed), alias
+                    checked.add(f"{name} {option}")
+    assert {"demo --max-new-tokens", "demo --device-map", "env --no-init", "env --config-file"} <= checked
+    assert {"simulate --compile-seconds", "precompile --eager-seconds"} <= checked
+
+    parsed = build_parser().parse_args(["simulate", "--compile_seconds", "5", "--eager_seconds=1", "--", "python"])
+    assert (parsed.compile_seconds, parsed.eager_seconds, parsed.command) == (5.0, 1.0, ["--", "python"])
+    parsed = build_parser().parse_args(["demo", "--max", "3", "--device_map", "balanced"])  # an abbreviation too
+    assert (parsed.max_new_tokens, parsed.device_map) == (3, "balanced")
+    with pytest.raises(SystemExit):
+        main(["demo", "--max_new_tokens", "0"])
+    assert "argument --max_new_tokens: 0 is not allowed; expected a positive integer" in capsys.readouterr().err
+    # A flag of the user's command after `--` is the command's, whatever its spelling.
+    parsed = build_parser().parse_args(["simulate", "--", "python", "train.py", "--compile_seconds", "9"])
+    assert parsed.compile_seconds == 60 and parsed.command[-2:] == ["--compile_seconds", "9"]
 
 
 def test_demo_model_must_be_a_saved_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -283,6 +316,83 @@ def test_simulate_reaches_every_torchrun_worker_one_core_each(tmp_path: Path) ->
     assert out.count("Sequential (rank") == 2
 
 
+# ------------------------------------------------------------------ signals end the whole tree
+
+RANK_SLEEPS = """
+import os, sys, time
+from pathlib import Path
+
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+(out / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("command", "signal_name", "to_group"),
+    [("simulate", "SIGTERM", False), ("simulate", "SIGINT", True), ("precompile", "SIGTERM", False)],
+)
+def test_a_signal_ends_every_rank_the_command_started(
+    tmp_path: Path, command: str, signal_name: str, to_group: bool
+) -> None:
+    """SIGTERM to the command (a scheduler, `timeout`), or Ctrl-C (SIGINT to the terminal's whole group): torchrun
+    and both of its ranks end too, and the command exits 128 + 15 on SIGTERM."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    script, out = tmp_path / "sleep.py", tmp_path / "out"
+    script.write_text(RANK_SLEEPS)
+    options = ["--cores", "2"] + (["--jobs", "1"] if command == "precompile" else [])
+    launcher = ["torchrun", "--standalone", "--nproc-per-node", "2", str(script), str(out)]
+    cli_command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "accelerate_neuron"]
+    log = tmp_path / "log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            [*cli_command, command, *options, "--", *launcher],
+            env=clean_env(OMP_NUM_THREADS="1"),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: SIGINT to the group is a terminal's Ctrl-C
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while len(list(out.glob("rank*.pid"))) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+                time.sleep(0.2)
+            ranks = [int(p.read_text()) for p in out.glob("rank*.pid")]
+            tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            assert set(ranks) < set(tree)  # the ranks, torchrun and the worker (precompile) are the command's
+            signum = getattr(signal, signal_name)
+            if to_group:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(0.5)  # an orphan's last breath: reaped by init
+    assert not [pid for pid in tree if _alive(pid)], f"left behind: {tree}\n{log.read_text()[-4000:]}"
+    if signal_name == "SIGTERM":
+        assert code == 128 + signal.SIGTERM and "terminated (signal 15)" in log.read_text(), log.read_text()[-4000:]
+    else:
+        assert code != 0, log.read_text()[-4000:]
+
+
 # ------------------------------------------------------------------ report logic (in-process)
 
 
@@ -421,6 +531,61 @@ def test_demo_json_places_the_model_on_neuron_and_generates_the_corpus() -> None
             assert backend["cache"]["compilations"] == counts["compiles"] + counts["eager_compiles"]
     assert result["first_generate"]["backend"]["cache"]["compilations"] >= 1
     assert set(result["first_generate"]["backend"]["sources"]) == {"graphs", "cache", "cpu_fallbacks"}
+
+
+def _hub_cache(root: Path, repo_id: str) -> Path:
+    """A Hugging Face Hub cache holding ``repo_id`` (a tiny Qwen3), laid out as huggingface_hub writes it."""
+    from accelerate_neuron import tiny
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    tiny.save_pretrained(repo / "snapshots" / commit, "qwen3")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
+def test_demo_takes_a_hub_model_id(tmp_path: Path) -> None:
+    """A Hub id is fetched with huggingface_hub (from its cache when offline); offline and not cached: a clear error."""
+    snapshot = _hub_cache(tmp_path / "hub", "tiny-org/tiny-qwen3")
+    proc = cli(
+        "demo", "--model", "tiny-org/tiny-qwen3", "--max_new_tokens", "4", "--json", HF_HUB_CACHE=str(tmp_path / "hub")
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fetching tiny-org/tiny-qwen3 from the local Hugging Face cache (HF_HUB_OFFLINE is set)" in proc.stderr
+    result = last_json(proc.stdout)
+    assert result["model_path"] == str(snapshot) and result["new_tokens"] == 4
+    assert set(result["placement"]["bytes"]) == {"neuron:0"}
+
+    missing = cli("demo", "--model", "tiny-org/not-here", HF_HUB_CACHE=str(tmp_path / "hub"))
+    assert missing.returncode == 1
+    assert (
+        "accelerate-neuron: error: 'tiny-org/not-here' is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
+        "set: run once where the Hub is reachable, or pass a local folder written by save_pretrained()"
+    ) in missing.stderr
+    assert "starting a simulated Neuron device" not in missing.stderr  # it failed before doing anything else
+
+
+def test_precompile_progress_bar_is_huggingface_hubs_and_honours_its_switch() -> None:
+    import io
+
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars, tqdm
+
+    from accelerate_neuron.cli import precompile
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    bar = precompile._bar(Terminal())
+    assert isinstance(bar, tqdm) and not bar.disable
+    bar.close()
+    assert precompile._bar(io.StringIO()) is None  # not a terminal: progress lines instead
+    disable_progress_bars()  # what HF_HUB_DISABLE_PROGRESS_BARS=1 sets
+    try:
+        assert precompile._bar(Terminal()) is None
+    finally:
+        enable_progress_bars()
 
 
 def test_demo_on_a_whole_chip_keeps_a_small_model_on_one_core_unless_asked_to_spread() -> None:

@@ -105,6 +105,88 @@ def test_a_failing_script_fails_precompile_with_its_output(qwen: str) -> None:
     assert "worker 0 FAILED (exit code 1)" in proc.stdout
 
 
+def _rank_results(stderr: str) -> list[dict]:
+    """The JSON line each rank of a launched script printed (under simulate --json they go to stderr)."""
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith('{"compiles"')]
+
+
+def _assert_each_graph_compiled_once(warm: dict, processes: int) -> None:
+    assert warm["processes"] == processes and not any(warm["exit_codes"]), warm
+    assert warm["shapes_by_kind"] == {"train": 2, "eval": 2} and warm["warmed"] == warm["shapes"], warm
+    # Every rank's graphs are in the cache, each compiled by one process only (the others loaded it).
+    assert warm["graphs_compiled"] == warm["distinct_graphs"] >= 4 and warm["graphs_cached"] > 0, warm
+
+
+def _assert_the_real_launch_compiles_nothing(cache: str, warm: dict, *launch: str) -> None:
+    proc = run(["simulate", "--cores", "2", "--json", "--", *launch], cache)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = _rank_results(proc.stderr)
+    assert len(ranks) == 2 and all(r["steps"] > 0 for r in ranks), proc.stderr[-4000:]
+    assert [(r["compiles"], r["eager_compiles"]) for r in ranks] == [(0, 0), (0, 0)], [r["missed"] for r in ranks]
+    assert set().union(*(r["graph_keys"] for r in ranks)) == set(warm["graph_keys"])
+
+
+@pytest.mark.slow
+def test_torchrun_precompiled_then_launched_compiles_nothing(tmp_path: Path) -> None:
+    """The counterpart of neuron_parallel_compile: every rank of a DDP Trainer job warms the shapes of its own
+    data shard (the ranks step together: a step all-reduces); one worker by default."""
+    cache = fresh_neff_cache_dir()
+    out = tmp_path / "out"
+    launch = ["torchrun", "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "precompile_train.py"), str(out)]
+    proc = run(["precompile", "--json", "--cores", "2", "--", *launch], cache)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    warm = last_json(proc.stdout)
+    assert warm["jobs"] == 1 and not out.exists(), warm  # a launch is one worker; the warm-up writes nothing
+    _assert_each_graph_compiled_once(warm, processes=2)
+    _assert_the_real_launch_compiles_nothing(cache, warm, *launch)
+
+
+@pytest.mark.slow
+def test_two_accelerate_launches_precompile_at_once_on_their_own_cores_and_ports(tmp_path: Path) -> None:
+    """--jobs 2 with `accelerate launch` (2 processes each): two launches at once, each on half of the 4 cores and
+    its own port, each warming every other shape; then the real launch compiles nothing."""
+    from accelerate.commands.config import default
+
+    config = tmp_path / "config.yaml"
+    default.write_basic_config(save_location=str(config))  # MULTI_NEURON, 2 processes (the session's 2 cores)
+    cache = fresh_neff_cache_dir()
+    launch = ["accelerate", "launch", "--config_file", str(config), str(SCRIPTS / "precompile_train.py")]
+    proc = run(["precompile", "--json", "--jobs", "2", "--cores", "4", "--", *launch, str(tmp_path / "out")], cache)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    warm = last_json(proc.stdout)
+    assert warm["jobs"] == 2 and warm["exit_codes"] == [0, 0], warm
+    _assert_each_graph_compiled_once(warm, processes=4)
+    _assert_the_real_launch_compiles_nothing(cache, warm, *launch, str(tmp_path / "real"))
+
+
+def test_a_launcher_is_one_worker_and_several_launches_get_their_own_cores_and_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    launcher = cli_precompile.launcher
+    assert launcher(["torchrun", "--nproc-per-node", "2", "t.py"]) == "torchrun"
+    assert launcher(["/venv/bin/python", "-m", "torch.distributed.run", "t.py"]) == "torchrun"
+    assert launcher(["accelerate", "launch", "t.py"]) == launcher(["accelerate-launch", "t.py"]) == "accelerate launch"
+    assert launcher(["python", "t.py"]) is None and launcher(["accelerate", "env"]) is None
+
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
+    assert cli_precompile._worker_cores(2, 4) == ["0,1", "2,3"]
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-7")
+    assert cli_precompile._worker_cores(4, 64) == ["4", "5", "6", "7"]
+    with pytest.raises(cli_precompile.CliError, match=r"--jobs 5 with a launcher .* only 4 core\(s\) are visible"):
+        cli_precompile._worker_cores(5, 64)
+
+    accelerate = ["accelerate", "launch", "t.py"]
+    assert cli_precompile._launch_command(accelerate, "accelerate launch", 2)[:4] == [
+        "accelerate",
+        "launch",
+        "--main_process_port",
+        "0",
+    ]
+    assert cli_precompile._launch_command(accelerate, "accelerate launch", 1) == accelerate
+    mine = ["accelerate", "launch", "--main_process_port=29600", "t.py"]
+    assert cli_precompile._launch_command(mine, "accelerate launch", 2) == mine
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1000"])
 def test_bad_jobs_are_refused_naming_the_value(value: str) -> None:
     proc = run(["precompile", "--jobs", value, "--", "python", "-c", "pass"], fresh_neff_cache_dir(), timeout=120)

@@ -81,10 +81,42 @@ def test_training_arguments_on_neuron(tmp_path: Any, unpatched: Any) -> None:
     assert stock_device == ("neuron" if stock_bf16 else "cpu")
 
 
+BF16_POINTER = (
+    r"fp16 training is not supported on Neuron. Train in bf16.*TrainingArguments\(bf16=True\).*mixed_precision"
+)
+
+
 def test_fp16_is_refused_with_a_pointer_to_bf16(tmp_path: Any) -> None:
-    with pytest.raises(ValueError, match=r"fp16=True is not supported on Neuron.*bf16=True"):
+    with pytest.raises(ValueError, match=r"^fp16=True: " + BF16_POINTER):
         _args(tmp_path, fp16=True)
     assert _args(tmp_path, fp16=True, use_cpu=True).fp16  # the CPU keeps upstream's behaviour
+
+
+def test_fp16_from_an_accelerator_or_a_launch_config_is_refused_with_a_pointer_to_bf16(
+    monkeypatch: pytest.MonkeyPatch, unpatched: Any
+) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    def build(**kwargs: Any) -> tuple[str, str, bool]:
+        """(device type, mixed precision, has a grad scaler) of ``Accelerator(**kwargs)``."""
+        AcceleratorState._reset_state(True)
+        try:
+            accelerator = Accelerator(**kwargs)
+            return accelerator.device.type, accelerator.mixed_precision, accelerator.scaler is not None
+        finally:
+            AcceleratorState._reset_state(True)
+
+    with pytest.raises(ValueError, match=r"^Accelerator\(mixed_precision='fp16'\): " + BF16_POINTER):
+        build(mixed_precision="fp16")
+    # What `accelerate launch` hands each process for `mixed_precision: fp16` in its config file.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ValueError, match=r"^ACCELERATE_MIXED_PRECISION=fp16 \(`accelerate launch` sets it from"):
+        build()
+    assert build(mixed_precision="bf16")[:2] == ("neuron", "bf16")  # the argument beats the variable, as upstream
+    assert build(cpu=True)[:2] == ("cpu", "fp16")  # the CPU keeps upstream's behaviour
+    with unpatched():  # 1.16: fp16 with a GradScaler for the neuron device; 1.10 knows no neuron: the CPU
+        assert build() in (("neuron", "fp16", True), ("cpu", "fp16", False))
 
 
 def test_argument_parser_gets_the_neuron_defaults(tmp_path: Any) -> None:

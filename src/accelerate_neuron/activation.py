@@ -82,9 +82,13 @@ def _activate() -> None:
         raise RuntimeError(f"raised on request ({settings.env_name('test_raise_in_activation')})")
     import torch  # noqa: F401 - already importing when called from the entry point
 
-    from . import device, logs
+    from . import accelerate_config, device, logs
 
+    # First: the block `accelerate launch` handed over may set the log level and the plugins to skip.
+    problem = accelerate_config.install_from_environment()
     logs.apply_level()
+    if problem:
+        logger.warning("accelerate_neuron: the neuron_config handed over by accelerate launch is ignored: %s", problem)
 
     # A device registered later (simulator.install()) is announced through device.py: the
     # simulator need not know this module exists.

@@ -1,4 +1,4 @@
-"""The compile-cost model behind the dry-run estimates (DESIGN.md: compiles, not FLOPs, decide wall time).
+"""The compile-cost model behind the dry-run estimates: compiles, not FLOPs, decide wall time on Neuron.
 
 On Neuron every distinct input signature of a compiled graph is a new NEFF
 (neuronx-cc takes ~25-140 s per graph, minutes for large ones), and eager mode

@@ -5,7 +5,8 @@ A setting's value comes from, in order:
 1. the environment (``ACCELERATE_NEURON_PROMPT_BUCKETS=off``);
 2. the ``neuron_config:`` block of Accelerate's config file (keys are the
    settings' names: ``prompt_buckets: [64, 256]``), once a config layer is
-   installed with :func:`use_config`;
+   installed with :func:`use_config` (a process ``accelerate launch`` started
+   installs the block it was handed: :mod:`accelerate_neuron.accelerate_config`);
 3. the plugin hook that answers it, if it has one (a third-party plugin's
    answer beats the built-in one);
 4. the built-in default.
@@ -22,6 +23,7 @@ This module is part of the base layer: it imports nothing heavy (it runs on
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -171,6 +173,23 @@ def parse_shard(value: Any) -> tuple[int, int] | None:
     return int(index), int(count)
 
 
+def parse_launch_config(value: Any) -> tuple[str, dict[str, Any]] | None:
+    """``{"file": ..., "neuron_config": {...}}`` (JSON text) -> (file, checked block); off words -> None."""
+    if isinstance(value, str):
+        if _words(value) in OFF_WORDS or not value.strip():
+            return None
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(value, Mapping) or not isinstance(value.get("file"), str):
+        raise ValueError("")
+    block = value.get("neuron_config")
+    return value["file"], check_config(block if block is not None else {}, value["file"])
+
+
 # ------------------------------------------------------------------ the registry
 
 
@@ -214,7 +233,6 @@ SETTINGS: tuple[Setting, ...] = (
         "still registers: it is a device, not a patch.",
         "activation",
         default_text="unset (every plugin on)",
-        config=False,
     ),
     Setting(
         "simulate",
@@ -419,6 +437,16 @@ SETTINGS: tuple[Setting, ...] = (
         default_text="off",
         config=False,
     ),
+    Setting(
+        "launch_config",
+        parse_launch_config,
+        None,
+        'a JSON object `{"file": ..., "neuron_config": {...}}`',
+        "The `neuron_config:` block of the Accelerate config file `accelerate launch` read, handed to every "
+        "process it starts (set by `accelerate launch` with accelerate-neuron active).",
+        "commands",
+        config=False,
+    ),
     # --- development
     Setting(
         "sim_asan",
@@ -482,19 +510,76 @@ class Value:
 _config: tuple[Mapping[str, Any], str] = ({}, "")
 
 
-def use_config(values: Mapping[str, Any], origin: str) -> None:
-    """Install the config-file layer (``neuron_config:`` of Accelerate's config): checked, then kept."""
+def config_keys() -> list[str]:
+    """The keys a ``neuron_config:`` block accepts: the settings' names."""
+    return [s.name for s in SETTINGS if s.config]
+
+
+def check_config(values: Any, origin: str) -> dict[str, Any]:
+    """A ``neuron_config:`` block checked: a mapping whose keys name settings that may be set there, whose values
+    those settings accept. Returns it as a plain dict; raises ValueError naming the bad key or value and what is
+    allowed (``origin``: the file it came from)."""
+    if not isinstance(values, Mapping):
+        raise ValueError(
+            f"neuron_config in {origin} must be a mapping of setting names to values (e.g. "
+            f"'prompt_buckets: [64, 256]'), not {type(values).__name__} {values!r}"
+        )
+    checked = {}
     for key, raw in values.items():
-        try:
-            item = setting(key)
-        except KeyError:
-            known = ", ".join(s.name for s in SETTINGS if s.config)
-            raise ValueError(f"unknown key {key!r} in neuron_config ({origin}); known keys: {known}") from None
+        item = _BY_NAME.get(key) if isinstance(key, str) else None
+        if item is None:
+            raise ValueError(
+                f"unknown key {key!r} in neuron_config ({origin}){_close(key)}; known keys: " + ", ".join(config_keys())
+            )
         if not item.config:
             raise ValueError(f"{key!r} cannot be set in neuron_config ({origin}): set {item.env} in the environment")
         _parse(item, raw, f"neuron_config in {origin}")
+        checked[key] = raw
+    return checked
+
+
+def _close(key: Any) -> str:
+    import difflib
+
+    text = str(key).lower().removeprefix(PREFIX.lower())
+    match = difflib.get_close_matches(text, config_keys(), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def use_config(values: Mapping[str, Any], origin: str) -> None:
+    """Install the config-file layer (``neuron_config:`` of Accelerate's config): checked, then kept."""
     global _config
-    _config = (dict(values), origin)
+    _config = (check_config(values, origin), origin)
+
+
+@contextlib.contextmanager
+def config_layer(values: Mapping[str, Any], origin: str) -> Iterator[None]:
+    """:func:`use_config` for the block only (``accelerate-neuron env --config_file``, tests); the previous layer
+    is back afterwards."""
+    global _config
+    previous = _config
+    use_config(values, origin)
+    try:
+        yield
+    finally:
+        _config = previous
+
+
+def config_origin() -> str:
+    """Where the installed config layer came from ("" if none is installed)."""
+    return _config[1]
+
+
+def config_value(name: str, value: Any) -> Any:
+    """Setting ``name``'s parsed ``value`` as a ``neuron_config:`` block writes it (plain YAML/JSON types)."""
+    item = setting(name)
+    if isinstance(value, Plugins):
+        return "all" if value.all else sorted(value.names)
+    if item.parse is parse_buckets:
+        return "off" if value == () else value if isinstance(value, str) else list(value)
+    if item.parse is parse_level:
+        return str(value).lower()
+    return value
 
 
 def _parse(item: Setting, raw: Any, origin: str) -> Any:
@@ -595,7 +680,7 @@ def effective() -> Iterator[tuple[Setting, Value | None, str]]:
             yield item, None, str(exc)
 
 
-#: Where README keeps the generated table (:func:`reference_block` prints it).
+#: Where docs/settings.md keeps the generated table (:func:`reference_block` prints it).
 TABLE_START = "<!-- settings table: generated from accelerate_neuron.settings (reference_block()), do not edit -->"
 TABLE_END = "<!-- end of settings table -->"
 
@@ -609,7 +694,7 @@ def cache_dir() -> Path:
 
 
 def reference_table(section: str | None = None) -> str:
-    """The settings as a Markdown table (README's and the docs' reference are generated from this)."""
+    """The settings as a Markdown table (the reference in docs/settings.md is generated from this)."""
     rows = ["| variable | values | default | what it does |", "|---|---|---|---|"]
     for item in SETTINGS:
         if section is not None and item.section != section:
@@ -621,5 +706,5 @@ def reference_table(section: str | None = None) -> str:
 
 
 def reference_block() -> str:
-    """README's generated settings block, markers included."""
+    """docs/settings.md's generated settings block, markers included."""
     return f"{TABLE_START}\n{reference_table()}\n{TABLE_END}"

@@ -7,7 +7,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ._common import CliError
+from ._children import Terminated
+from ._common import ArgumentParser, CliError
 
 DESCRIPTION = """\
 accelerate-neuron runs stock Hugging Face code (Transformers, Accelerate,
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
     from . import demo, env, precompile, simulate
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="accelerate-neuron",
         description=DESCRIPTION,
         epilog=EPILOG,
@@ -57,6 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("accelerate-neuron: interrupted", file=sys.stderr)
         return 130
+    except Terminated as exc:
+        print(
+            f"accelerate-neuron: terminated (signal {exc.signum}); the processes it started were ended", file=sys.stderr
+        )
+        return 128 + exc.signum
 
 
 if __name__ == "__main__":

@@ -175,6 +175,19 @@ def launch_config(facts: Facts) -> list[Problem]:
     return out
 
 
+def config_file(facts: Facts) -> list[Problem]:
+    config = facts.get("config_file") or {}
+    if not config.get("error"):
+        return []
+    return [
+        _problem(
+            "error",
+            f"the Accelerate config file cannot be used: {config['error']}",
+            "fix the file (`accelerate config` rewrites it); `accelerate launch` stops on the same error",
+        )
+    ]
+
+
 def fp16(facts: Facts) -> list[Problem]:
     launch = facts.get("launch") or {}
     sources = []
@@ -187,7 +200,8 @@ def fp16(facts: Facts) -> list[Problem]:
     return [
         _problem(
             "warning",
-            f"fp16 requested ({'; '.join(sources)}): Neuron trains in bf16 and Accelerate refuses fp16 on it",
+            f"fp16 requested ({'; '.join(sources)}): fp16 training is refused on Neuron (no documented gradient "
+            "scaler); Neuron trains in bf16",
             "use bf16: `accelerate config` -> mixed_precision: bf16, ACCELERATE_MIXED_PRECISION=bf16, "
             "or TrainingArguments(bf16=True)",
         )
@@ -263,6 +277,7 @@ CHECKS: tuple[Callable[[Facts], list[Problem]], ...] = (
     async_load,
     visible_cores,
     launch_config,
+    config_file,
     fp16,
     settings,
     compile_cache,

@@ -25,6 +25,31 @@ class CliError(Exception):
         self.code = code
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """Every multi-word option also answers to its underscore spelling (``--max_new_tokens``), as ``accelerate``'s
+    and ``torchrun``'s do; ``--help`` shows the dashed one. Subcommand parsers are of this class too."""
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*names, **kwargs)
+        for name in names:
+            if isinstance(name, str) and name.startswith("--") and "-" in name[2:]:
+                alias = "--" + name[2:].replace("-", "_")
+                hidden = {"dest": action.dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+                super().add_argument(alias, **{**kwargs, **hidden})
+        return action
+
+    def _get_option_tuples(self, option_string: str) -> list[Any]:
+        # An abbreviation (--max) matches both spellings of one option: one match, not an ambiguity. Each tuple
+        # starts with the action on every Python version; if that changes, abbreviations only get stricter.
+        found, seen = [], set()
+        for candidate in super()._get_option_tuples(option_string):
+            dest = getattr(candidate[0], "dest", None)
+            if dest is None or dest not in seen:
+                found.append(candidate)
+                seen.add(dest)
+        return found
+
+
 def counting(what: str, most: int | None = None, too_many: str = "") -> Callable[[str], int]:
     """argparse type: a whole number from 1 (to ``most``); ``what`` names it in errors, ``too_many`` says why."""
 

@@ -48,25 +48,77 @@ tokens/s and the compile figures. On a Trainium host it runs on the Neuron
 cores; anywhere else on the simulated Neuron device (and says so).
 
 Without --model it uses an embedded toy Qwen3 (built offline on the first run,
-then cached). The first run on a machine also builds the simulated device (a
+then cached); --model takes a local folder or a Hub model id (downloaded once
+when the Hub is reachable, then read from the Hub cache). The first run on a machine also builds the simulated device (a
 small C++ library, once per torch version). Progress goes to stderr."""
 
 EPILOG = """\
 examples:
   accelerate-neuron demo
   accelerate-neuron demo --prompt "a static cache" --max-new-tokens 16
-  accelerate-neuron demo --model ./my-local-llm --json"""
+  accelerate-neuron demo --model ./my-local-llm --json
+  accelerate-neuron demo --model Qwen/Qwen3-0.6B --cores 4"""
 
 
-def _model_folder(text: str) -> Path:
+#: What a causal LM and its tokenizer need from a Hub repository (not the other weight formats it may also hold).
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*"]
+
+
+def _model(text: str) -> Path | str:
+    """argparse type of ``--model``: a local folder written by ``save_pretrained()``, or a Hub model id."""
     path = Path(text).expanduser()
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a folder; expected a local model folder with config.json")
-    if not (path / "config.json").is_file():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} has no config.json; expected a folder written by save_pretrained() (no hub downloads here)"
-        )
-    return path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} has no config.json; expected a folder written by save_pretrained(), or a Hub model id"
+            )
+        return path
+    if not text.startswith((".", "/", "~")) and _is_hub_id(text):
+        return text  # fetched (or found in the Hub cache) when the demo runs
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a folder; expected a local model folder with config.json, or a Hub model id such as "
+        "'Qwen/Qwen3-0.6B'"
+    )
+
+
+def _is_hub_id(text: str) -> bool:
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except ValueError:  # HFValidationError
+        return False
+    return True
+
+
+def _from_hub(repo_id: str, progress: Progress) -> Path:
+    """The local folder of Hub model ``repo_id``: downloaded (Hub progress bars, which HF_HUB_DISABLE_PROGRESS_BARS
+    turns off) or taken from the Hub cache; a clear error when neither can be."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    where = "the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face Hub"
+    with progress.step(f"fetching {repo_id} from {where}"):
+        try:
+            folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=offline))
+        except GatedRepoError as exc:
+            raise CliError(
+                f"{repo_id!r} is gated on the Hugging Face Hub: accept its terms, then `hf auth login`"
+            ) from exc
+        except RepositoryNotFoundError as exc:
+            raise CliError(
+                f"{repo_id!r} is not a model on the Hugging Face Hub (or it is private: `hf auth login`)"
+            ) from exc
+        except LocalEntryNotFoundError as exc:
+            why = "HF_HUB_OFFLINE is set" if offline else f"the Hub cannot be reached ({exc.__cause__ or exc})"
+            raise CliError(
+                f"{repo_id!r} is not in the local Hugging Face cache and {why}: run once where the Hub is reachable, "
+                "or pass a local folder written by save_pretrained()"
+            ) from exc
+    if not (folder / "config.json").is_file():
+        raise CliError(f"{repo_id!r} on the Hugging Face Hub has no config.json: not a Transformers model")
+    return folder
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -77,7 +129,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", type=_model_folder, metavar="PATH", help="a local model folder (default: the toy model)")
+    p.add_argument(
+        "--model",
+        type=_model,
+        metavar="PATH|ID",
+        help="a local model folder, or a Hub model id when the Hub is reachable (default: the toy model)",
+    )
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"the prompt (default {DEFAULT_PROMPT!r})")
     p.add_argument(
         "--max-new-tokens",
@@ -332,8 +389,9 @@ def run(args: argparse.Namespace) -> int:
     from . import _demo_model
 
     progress = Progress(enabled=True)
+    hub = _from_hub(args.model, progress) if isinstance(args.model, str) else None  # fail before the device starts
     kind = _device(args, progress)
-    path = args.model or _demo_model.ensure(progress)
+    path = hub or args.model or _demo_model.ensure(progress)
     result = {"device": kind, "cores": device.device_count()}
     if kind == "simulated":
         from ..simulator.runtime import state

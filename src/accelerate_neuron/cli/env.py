@@ -30,6 +30,7 @@ The exit code is 1 when an error-level problem was found, else 0."""
 EPILOG = """\
 examples:
   accelerate-neuron env
+  accelerate-neuron env --config_file my_config.yaml   # the settings `accelerate launch --config_file` would hand over
   accelerate-neuron env --json | jq .problems
   ACCELERATE_NEURON_SIMULATE=4 accelerate-neuron env   # as a simulated trn2 chip would look"""
 
@@ -60,6 +61,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--no-init", action="store_true", help="do not initialise the Neuron runtime (no per-core memory figures)"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="list every applied patch and why it exists")
+    p.add_argument(
+        "--config-file",
+        metavar="FILE",
+        help="the Accelerate config file whose neuron_config: block and launch settings to check (default: the one "
+        "`accelerate launch` reads without --config_file)",
+    )
     p.set_defaults(run=run, parser=p)
 
 
@@ -187,7 +194,21 @@ def _shown(value: Any) -> str:
         return "off"
     if hasattr(value, "names"):  # the disable setting
         return "all" if value.all else ",".join(sorted(value.names)) or "none"
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):  # the launch_config setting
+        return f"the neuron_config of {value[0]}: {', '.join(value[1]) or 'empty'}"
     return str(value)
+
+
+def _config_line(config: dict[str, Any]) -> str:
+    if config.get("handed_over"):
+        return f"{config['path']} (its neuron_config was handed to this process by accelerate launch)"
+    if not config.get("path"):
+        return "none (`accelerate config` writes one; its neuron_config: block holds these settings)"
+    if config.get("error"):
+        return f"{config['path']} (unreadable, see Problems)"
+    block = config.get("neuron_config") or {}
+    what = f"neuron_config: {len(block)} setting(s)" if block else "no neuron_config: block"
+    return f"{config['path']} ({what}; handed by accelerate launch to the processes it starts)"
 
 
 def _cache(kind: str | None) -> dict[str, Any]:
@@ -258,7 +279,8 @@ def _apply_pending_patches(progress: Progress) -> tuple[set[str], list[str]]:
                 try:
                     importlib.import_module(name)
                 except ModuleNotFoundError as exc:
-                    if exc.name == name:
+                    # A missing parent package (4.57 has continuous_batching but no cache_allocators) is absent too.
+                    if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
                         absent.add(name)
                     else:
                         failed.append(f"{name}: {type(exc).__name__}: {exc}")
@@ -298,42 +320,70 @@ def _transformers_async_load() -> bool:
     return False
 
 
-def _launch_config() -> dict[str, Any] | None:
-    """``num_processes`` / ``mixed_precision`` of Accelerate's default config file, if there is one."""
+def _config_file(explicit: str | None) -> dict[str, Any]:
+    """The Accelerate config file this report reads: ``--config_file``, the block ``accelerate launch`` handed to
+    this process, or the default file; its path, its ``neuron_config`` block and, if unreadable, why."""
+    from .. import accelerate_config, settings
+
+    if explicit is None and settings.config_origin():
+        return {"path": settings.config_origin(), "handed_over": True, "neuron_config": None, "data": None}
+    path = explicit
+    if path is None:
+        try:
+            path = accelerate_config.default_file()
+        except Exception:  # no accelerate: no config file
+            return {"path": None}
+        if not os.path.isfile(path):
+            return {"path": None, "default": path}
+    info: dict[str, Any] = {"path": path, "handed_over": False, "neuron_config": {}, "data": None}
     try:
-        from accelerate.commands.config.config_args import default_config_file, load_config_from_file
-    except Exception:
+        info["data"] = accelerate_config.load(path)
+        info["neuron_config"] = accelerate_config.block_of(info["data"], path)
+    except FileNotFoundError:
+        info["error"] = f"{path} does not exist"
+    except Exception as exc:  # a bad block or a broken file is a finding, not a crash
+        info["error"] = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def _launch_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """``num_processes`` / ``mixed_precision`` of the Accelerate config file, if there is one."""
+    data = config.get("data")
+    if not config.get("path") or config.get("handed_over"):
         return None
-    if not os.path.isfile(default_config_file):
-        return None
-    try:
-        config = load_config_from_file(default_config_file)
-    except Exception as exc:
-        return {"source": default_config_file, "error": f"{type(exc).__name__}: {exc}"}
-    precision = getattr(config, "mixed_precision", None)
+    if data is None:
+        return {"source": config["path"], "error": config.get("error")}
     return {
-        "source": default_config_file,
-        "num_processes": getattr(config, "num_processes", None),
-        "mixed_precision": getattr(precision, "value", precision),
+        "source": config["path"],
+        "num_processes": data.get("num_processes"),
+        "mixed_precision": data.get("mixed_precision"),
     }
 
 
-def collect(init: bool = True, progress: Progress | None = None) -> dict[str, Any]:
-    """Every fact ``env`` reports, and the problems found in them."""
-    from .. import device
+def collect(init: bool = True, progress: Progress | None = None, config_file: str | None = None) -> dict[str, Any]:
+    """Every fact ``env`` reports, and the problems found in them (``config_file``: the Accelerate config file to
+    read instead of the default one)."""
+    from .. import device, settings
 
     progress = progress or Progress(False)
     kind = device.kind()
     probe = _probe_torch_neuronx(kind)
     absent, import_failures = _apply_pending_patches(progress)
+    config = _config_file(config_file)
+    if config.get("neuron_config") is not None and config.get("path"):
+        with settings.config_layer(config["neuron_config"], config["path"]):
+            rows = _plugin_settings()
+    else:
+        rows = _plugin_settings()
     facts: dict[str, Any] = {
         "versions": _versions(kind, probe),
         "torch_neuronx": probe,
         "device": _device(kind, init),
         "settings": _settings(),
-        "accelerate_neuron_settings": _plugin_settings(),
+        "config_file": {k: v for k, v in config.items() if k != "data"},
+        "accelerate_neuron_settings": rows,
         "compile_cache": _cache(kind),
-        "launch": _launch_config(),
+        "launch": _launch_config(config),
         "transformers_async_load": _transformers_async_load(),
         "status": _status(absent),
         "import_failures": import_failures,
@@ -411,6 +461,7 @@ def render(facts: dict[str, Any], verbose: bool = False) -> str:
         lines.append(f"  {name:<30} {value if value is not None else KEY_SETTINGS.get(name, 'unset')}")
     chosen = [s for s in facts["accelerate_neuron_settings"] if s["source"] != "default" or s["error"]]
     lines += ["", "accelerate-neuron settings" + ("" if chosen else ": all at their defaults (-v lists them)")]
+    lines.append(f"  {'Accelerate config file':<42} {_config_line(facts['config_file'])}")
     for s in facts["accelerate_neuron_settings"]:
         if s in chosen or verbose:
             where = f"{s['source']}, invalid" if s["error"] else s["source"]
@@ -433,7 +484,7 @@ def render(facts: dict[str, Any], verbose: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    facts = collect(init=not args.no_init, progress=Progress(enabled=True))
+    facts = collect(init=not args.no_init, progress=Progress(enabled=True), config_file=args.config_file)
     if args.json:
         print_json(facts)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .. import costs, settings
+from ._children import Terminated, Tree, sigterm_raises
 from ._common import (
     CliError,
     add_cost_options,
@@ -48,6 +50,13 @@ script meets them), so CMD must meet the same shapes in the same order every
 time (fixed prompts, a seeded dataset). Shapes already in the cache are loaded,
 not compiled: running precompile again compiles nothing new.
 
+With a launcher as CMD (torchrun, accelerate launch: the counterpart of
+neuron_parallel_compile), each rank warms up as it would run: it meets its own
+shard of the data and warms the shapes it meets, and a graph the ranks share
+compiles once (the other ranks load it from the NEFF cache). --jobs then
+defaults to 1; --jobs N runs N launches at once (N x ranks processes), each on
+its own 1/N of the visible cores and its own rendezvous port.
+
 Without Trainium, CMD runs on the simulated Neuron device and fills the
 simulated NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR); on a Trainium host it runs
 on the real device and torch-neuronx fills its own cache."""
@@ -57,9 +66,12 @@ examples:
   accelerate-neuron precompile -- python generate.py
   accelerate-neuron precompile --jobs 4 -- python train.py --epochs 3
   accelerate-neuron precompile --json -- python serve.py > precompile.json
+  accelerate-neuron precompile -- torchrun --nproc_per_node 2 train.py
+  accelerate-neuron precompile -- accelerate launch train.py
 
 CMD's output is kept out of the way (shown if a worker fails). The exit code is
-0 when every worker succeeded, else the first failing worker's."""
+0 when every worker succeeded, else the first failing worker's. SIGTERM or
+Ctrl-C ends every worker and every process it started (a launcher's ranks too)."""
 
 
 def default_jobs() -> int:
@@ -89,7 +101,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=job_count,
         default=None,
         metavar="N",
-        help=f"worker processes compiling in parallel (default: the CPUs available, at most 8; here {default_jobs()})",
+        help=f"workers compiling in parallel (default: the CPUs available, at most 8, here {default_jobs()}; "
+        "1 when CMD is a launcher)",
     )
     add_device_options(p, cores=DEFAULT_CORES, cores_help="simulated NeuronCores per worker when there is no Trainium")
     add_cost_options(p)
@@ -109,9 +122,10 @@ class Progress:
     jobs: int
     seconds_per_graph: float
     offset: int = 0
-    found: dict[int, dict[str, Any]] = field(default_factory=dict)
-    by_shard: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
-    done: dict[tuple[str, int], float] = field(default_factory=dict)
+    # Each process (worker, rank) numbers the shapes it meets: (shard, rank, index) -> event
+    found: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
+    by_shard: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
+    done: dict[tuple[int, int, str, int], float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     bar: Any = None
     stream: TextIO = sys.stderr
@@ -136,23 +150,41 @@ class Progress:
             self._take(event)
 
     def _take(self, event: dict[str, Any]) -> None:
+        # Under a launcher a worker is several processes, told apart by their rank.
         index, kind = event.get("index"), event.get("kind", "")
+        shard, rank = int(event.get("shard", 0)), int(event.get("rank", 0))
         if event.get("event") == "found" and isinstance(index, int):
-            self.found.setdefault(index, event)
-            self.by_shard.setdefault(event["shard"], []).append((index, json.dumps([kind, event.get("shape")])))
+            self.found.setdefault((shard, rank, index), event)
+            self.by_shard.setdefault(shard, []).append((rank, index, json.dumps([kind, event.get("shape")])))
         elif event.get("event") == "done" and isinstance(index, int):
-            self.done[(kind, index)] = float(event.get("seconds", 0.0))
+            self.done[(shard, rank, kind, index)] = float(event.get("seconds", 0.0))
+
+    def shapes(self) -> dict[str, dict[str, Any]]:
+        """Distinct shapes met by any rank of any worker (ranks meeting one shape share its graphs)."""
+        out: dict[str, dict[str, Any]] = {}
+        for event in self.found.values():
+            out.setdefault(json.dumps([event.get("kind", ""), event.get("shape")]), event)
+        return out
+
+    def warmed(self) -> set[str]:
+        """The distinct shapes some process has warmed."""
+        out = set()
+        for shard, rank, _kind, index in self.done:
+            event = self.found.get((shard, rank, index))
+            if event is not None:
+                out.add(json.dumps([event.get("kind", ""), event.get("shape")]))
+        return out
 
     def pending_graphs(self) -> int:
-        finished = {i for _, i in self.done}
-        return sum(int(e.get("graphs", 1)) for i, e in self.found.items() if i not in finished)
+        warmed = self.warmed()
+        return sum(int(e.get("graphs", 1)) for sig, e in self.shapes().items() if sig not in warmed)
 
     def eta(self) -> str:
         """Compile time left on Trainium by the cost model (cold: every pending graph compiled), over the workers."""
         return duration(self.pending_graphs() * self.seconds_per_graph / self.jobs)
 
     def show(self) -> None:
-        total, finished = len(self.found), len(self.done)
+        total, finished = len(self.shapes()), len(self.warmed())
         text = (
             f"{finished}/{total} shapes warmed; Trainium compile left ~{self.eta()} (cost model, {self.jobs} worker(s))"
         )
@@ -179,12 +211,13 @@ class Progress:
 
 
 def _bar(stream: TextIO) -> Any:
+    """A progress bar on a terminal: huggingface_hub's tqdm, which HF_HUB_DISABLE_PROGRESS_BARS=1 turns off."""
     if not stream.isatty():
         return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
+    from huggingface_hub.utils import are_progress_bars_disabled, tqdm
+
+    if are_progress_bars_disabled():
+        return None  # the progress lines instead
     return tqdm(total=1, desc="precompile", unit="shape", file=stream, dynamic_ncols=True)
 
 
@@ -204,7 +237,59 @@ def _command(args: argparse.Namespace) -> list[str]:
     return command
 
 
-def _worker_env(args: argparse.Namespace, shard: int, jobs: int, folder: Path, simulated: bool) -> dict[str, str]:
+def launcher(command: Sequence[str]) -> str | None:
+    """``"torchrun"`` or ``"accelerate launch"`` when CMD is a launcher (each of its ranks then warms up), else None."""
+    name = Path(command[0]).name
+    module = command[command.index("-m") + 1] if name.startswith("python") and "-m" in command[:-1] else None
+    if name == "torchrun" or module in ("torch.distributed.run", "torch.distributed.launch"):
+        return "torchrun"
+    if (name == "accelerate" and command[1:2] == ["launch"]) or name == "accelerate-launch":
+        return "accelerate launch"
+    if module == "accelerate.commands.launch" or (
+        module == "accelerate.commands.accelerate_cli" and "launch" in command
+    ):
+        return "accelerate launch"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker_cores(jobs: int, cores: int) -> list[str]:
+    """With a launcher and several workers: each worker's share of the visible cores (its ranks need their own)."""
+    from ..sizes import parse_core_list
+
+    listed = os.environ.get("NEURON_RT_VISIBLE_CORES", "").strip()
+    visible = parse_core_list(listed) if listed else list(range(cores))
+    per_worker = len(visible) // jobs
+    if per_worker < 1:
+        raise CliError(
+            f"--jobs {jobs} with a launcher runs {jobs} launches at once, each of whose ranks needs its own Neuron "
+            f"core, but only {len(visible)} core(s) are visible: use --jobs {max(1, len(visible))} or fewer"
+        )
+    shares = [visible[i * per_worker : (i + 1) * per_worker] for i in range(jobs)]
+    return [",".join(map(str, share)) for share in shares]
+
+
+def _launch_command(command: list[str], kind: str | None, jobs: int) -> list[str]:
+    """CMD as each worker runs it: several ``accelerate launch`` at once each pick a free port (``--main_process_port
+    0``) unless CMD names one. (torchrun gets its port from PET_MASTER_PORT, see :func:`_worker_env`.)"""
+    if (
+        kind != "accelerate launch"
+        or jobs < 2
+        or any(a.startswith(("--main_process_port", "--main-process-port")) for a in command)
+    ):
+        return command
+    at = command.index("launch") + 1 if "launch" in command else 1
+    return [*command[:at], "--main_process_port", "0", *command[at:]]
+
+
+def _worker_env(
+    args: argparse.Namespace, shard: int, jobs: int, folder: Path, simulated: bool, cores: str | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
     env[settings.env_name("precompile")] = f"{shard}/{jobs}"
     env[settings.env_name("precompile_progress")] = str(folder / "progress.jsonl")
@@ -214,6 +299,9 @@ def _worker_env(args: argparse.Namespace, shard: int, jobs: int, folder: Path, s
         env[settings.env_name("simulate")] = str(args.cores)
         env[settings.env_name("sim_hbm")] = args.hbm
         env[settings.env_name("report_dir")] = str(folder / "records")
+    if cores is not None:  # one of several launches at once: its own cores and rendezvous port
+        env["NEURON_RT_VISIBLE_CORES"] = cores
+        env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's --master-port, unless CMD passes one
     return env
 
 
@@ -245,19 +333,25 @@ def _tail(path: Path, lines: int = _LOG_TAIL) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _wait(workers: Sequence[Worker], progress: Progress) -> None:
+def _wait(workers: Sequence[Worker], tree: Tree, progress: Progress) -> None:
     try:
         while any(w.code is None for w in workers):
             for w in workers:
                 if w.code is None and w.proc.poll() is not None:
                     w.code = w.proc.returncode
+            tree.refresh()  # a launcher's ranks, learned while it runs
             progress.read()
             progress.show()
             time.sleep(0.2)
     except KeyboardInterrupt:
-        for w in workers:  # the workers got the terminal's SIGINT too; give them a moment to end
-            w.code = w.proc.wait()
+        tree.settle()  # the workers got the terminal's SIGINT too: a moment to end, then the rest is ended
         raise
+    except Terminated:
+        tree.end()
+        raise
+    finally:
+        for w in workers:
+            w.code = w.proc.poll() if w.code is None else w.code
     progress.read()
     progress.show()
 
@@ -293,13 +387,15 @@ def summarize(
     progress: Progress, workers: Sequence[Worker], counts: dict[str, Any] | None, wall: float, args: argparse.Namespace
 ) -> dict[str, Any]:
     kinds: dict[str, int] = {}
-    for event in progress.found.values():
+    shapes = progress.shapes()
+    for event in shapes.values():
         kinds[event.get("kind", "?")] = kinds.get(event.get("kind", "?"), 0) + 1
     summary: dict[str, Any] = {
         "jobs": len(workers),
-        "shapes": len(progress.found),
+        "shapes": len(shapes),
         "shapes_by_kind": kinds,
-        "warmed": len(progress.done),
+        "warmed": len(progress.warmed()),
+        "processes": len({(e.get("shard"), e.get("rank", 0)) for e in progress.found.values()}),
         "failed_workers": [w.shard for w in workers if w.code],
         "exit_codes": [w.code for w in workers],
         "wall_seconds": round(wall, 3),
@@ -345,8 +441,14 @@ def run(args: argparse.Namespace) -> int:
     from .. import device
 
     command = _command(args)
-    jobs = args.jobs or default_jobs()
+    kind = launcher(command)
+    # A launch already runs one process per core; a second launch at once needs as many cores again.
+    jobs = args.jobs or (1 if kind else default_jobs())
     simulated = device.kind() != "real"
+    shares: list[str | None] = [None] * jobs
+    if kind and jobs > 1:
+        shares = list(_worker_cores(jobs, args.cores if simulated else device.device_count()))
+        command = _launch_command(command, kind, jobs)
     with tempfile.TemporaryDirectory(prefix="accelerate-neuron-precompile-") as tmp:
         folder = Path(tmp)
         (folder / "scratch").mkdir()
@@ -354,15 +456,19 @@ def run(args: argparse.Namespace) -> int:
         progress.bar = None if args.json else _bar(sys.stderr)
         started = time.perf_counter()
         workers: list[Worker] = []
+        tree = Tree()
         try:
-            for shard in range(jobs):
-                workers.append(_start(command, _worker_env(args, shard, jobs, folder, simulated), shard, folder))
-            _wait(workers, progress)
+            with sigterm_raises():
+                for shard in range(jobs):
+                    env = _worker_env(args, shard, jobs, folder, simulated, shares[shard])
+                    workers.append(_start(command, env, shard, folder))
+                    tree.add(workers[-1].proc)
+                _wait(workers, tree, progress)
         finally:
-            for w in workers:
-                if w.code is None:
-                    w.proc.kill()
-                    w.code = w.proc.wait()
+            if any(w.code is None for w in workers):
+                tree.end(grace=0)
+                for w in workers:
+                    w.code = w.proc.wait() if w.code is None else w.code
             if progress.bar is not None:
                 progress.bar.close()
         wall = time.perf_counter() - started

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from .. import settings
+from ._children import Terminated, Tree, sigterm_raises
 from ._common import CliError, add_cost_options, add_device_options, add_json_option, print_json
 
 DEFAULT_CORES = 4
@@ -25,7 +26,8 @@ the run would pay on Trainium, cold and with what the simulated NEFF cache
 needed.
 
 The default device is one trn2 chip at LNC=2: 4 cores of 24 GiB.
-The exit code is CMD's."""
+The exit code is CMD's. SIGTERM or Ctrl-C ends CMD and every process it
+started (a launcher's ranks too)."""
 
 EPILOG = """\
 examples:
@@ -76,19 +78,26 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def _run_child(command: list[str], env: dict[str, str], json_mode: bool) -> int:
-    try:
-        # With --json, stdout carries only the report: the command's output goes to stderr.
-        proc = subprocess.Popen(command, env=env, stdout=sys.stderr if json_mode else None)
-    except FileNotFoundError:
-        # 127 / 126: what a shell answers, since the exit code is the command's.
-        raise CliError(f"command not found: {command[0]!r} (simulate runs: {' '.join(command)})", 127) from None
-    except PermissionError:
-        raise CliError(f"cannot execute {command[0]!r}: permission denied", 126) from None
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        # The child got the same SIGINT from the terminal; give it time to write its record.
-        code = proc.wait()
+    tree = Tree()
+    with sigterm_raises():
+        try:
+            # With --json, stdout carries only the report: the command's output goes to stderr.
+            proc = subprocess.Popen(command, env=env, stdout=sys.stderr if json_mode else None)
+        except FileNotFoundError:
+            # 127 / 126: what a shell answers, since the exit code is the command's.
+            raise CliError(f"command not found: {command[0]!r} (simulate runs: {' '.join(command)})", 127) from None
+        except PermissionError:
+            raise CliError(f"cannot execute {command[0]!r}: permission denied", 126) from None
+        tree.add(proc)
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            # The child got the same SIGINT from the terminal: time to write its record, then the rest is ended.
+            tree.settle()
+            code = proc.wait()
+        except Terminated:
+            tree.end()
+            raise
     return 128 + (-code) if code < 0 else code
 
 

@@ -16,7 +16,7 @@ detection through ``untyped_storage().data_ptr()``, safetensors, ``torch.save``
 a real accelerator. Device memory is host memory: every operator without an
 explicit kernel runs the CPU kernel on zero-copy aliases (one "eager op").
 
-What is modelled and what is not (also in the README's fidelity table):
+What is modelled and what is not (also in docs/fidelity.md):
 
 - modelled: registration and ``torch.neuron`` API (with its gaps, e.g. no
   ``mem_get_info`` by default), per-core HBM budget and OOM, ``NEURON_RT_VISIBLE_CORES`` /

@@ -1,6 +1,6 @@
 """``torch.neuron`` of the simulated device: the API of torch-neuronx's device module.
 
-Kept to the functions the real module documents (see DESIGN.md), with its gaps:
+Kept to the functions the real module documents (torch-neuronx 2.13/2.14), with its gaps:
 by default there is no ``mem_get_info`` (torch-neuronx 2.33 builds lack it; free
 memory is ``total_memory - memory_reserved``). ``ACCELERATE_NEURON_SIM_MEM_GET_INFO=1``
 adds it, as newer SDKs have it (Neuron 2.34's release notes: the ``torch.accelerator``

@@ -11,6 +11,7 @@ the ``"neuron"`` process group. The patch table below, by concern:
 - :mod:`.state`: ``PartialState`` / ``Accelerator`` device choice and the
   MULTI_NEURON branches of Accelerate 1.13+ for older releases.
 - :mod:`.accelerate_cli`: ``accelerate config default``, the questionnaire, ``accelerate launch``.
+- :mod:`.config_file`: ``neuron_config:`` in Accelerate's config file, read, asked for, handed to ranks.
 - :mod:`.tp`: Transformers ``DistributedConfig`` / ``tp_plan`` device binding.
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 from ...hookspecs import hookimpl
 from ...patching import Patch
 from ..enum_backfill import distributed_type_multi_neuron, dynamo_backend_neuron
-from . import accelerate_cli, cores, state, tp
+from . import accelerate_cli, config_file, cores, state, tp
 
 _STATE, _ACCELERATOR, _UTILS = "accelerate.state", "accelerate.accelerator", "accelerate.utils"
 _CONFIG = "accelerate.commands.config"
@@ -184,6 +185,44 @@ def neuron_patches() -> list[Patch]:
             params=("args",),
             aliases=("accelerate.utils.prepare_multi_gpu_env", "accelerate.commands.launch.prepare_multi_gpu_env"),
             needed=state.upstream_has_multi_neuron,
+        ),
+        # --- neuron_config: in Accelerate's config file
+        Patch(
+            f"{_CONFIG}.config_args",
+            "BaseConfig.process_config",
+            config_file.wrap_process_config,
+            reason="Accelerate's config file may hold a neuron_config: block (Accelerate refuses unknown keys)",
+            lacking="every release",
+            params=("config_dict",),
+        ),
+        *(
+            Patch(
+                f"{_CONFIG}.config_args",
+                f"BaseConfig.{reader}",
+                config_file.wrap_reader(parameter, default),
+                reason="the neuron_config: block of Accelerate's config file is checked and kept with the config",
+                lacking="every release",
+                params=(parameter,),
+            )
+            for reader, parameter, default in (
+                ("from_yaml_file", "yaml_file", "default_yaml_config_file"),
+                ("from_json_file", "json_file", "default_json_config_file"),
+            )
+        ),
+        Patch(
+            "accelerate.commands.launch",
+            "launch_command",
+            config_file.wrap_launch_command,
+            reason="`accelerate launch` hands the neuron_config: block of its config file to every process",
+            lacking="every release",
+            params=("args",),
+        ),
+        Patch(
+            f"{_CONFIG}.config",
+            "get_user_input",
+            config_file.wrap_get_user_input,
+            reason="`accelerate config` asks for the neuron_config: block on a Neuron host",
+            lacking="every release",
         ),
         # --- Transformers tensor parallelism
         Patch(

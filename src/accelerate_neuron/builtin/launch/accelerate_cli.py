@@ -2,7 +2,8 @@
 
 - ``accelerate config default`` writes MULTI_NEURON, one process per visible
   core and the ``NEURON`` dynamo backend (Neuron compiles graphs; eager mode
-  compiles op by op). Accelerate <= 1.12 wrote a CPU config.
+  compiles op by op), and the ``ACCELERATE_NEURON_*`` settings of its
+  environment as ``neuron_config:``. Accelerate <= 1.12 wrote a CPU config.
 - The questionnaire offers ``neuron`` as dynamo backend (preselected on a
   Neuron host); on accelerate <= 1.12 it also offers ``multi-NEURON``.
 - ``accelerate launch``: ``--dynamo_backend neuron`` is accepted; on
@@ -65,6 +66,9 @@ def wrap_write_basic_config(original: Any) -> Any:
         config = ClusterConfig.from_json_file(json_file=str(path))  # upstream always writes JSON
         for key, value in neuron_config_values(config.to_dict()).items():
             setattr(config, key, distributed_type(value) if key == "distributed_type" else value)
+        from .config_file import keep_environment_settings  # (it imports this module)
+
+        keep_environment_settings(config)
         config.to_json_file(str(path))
         return path
 

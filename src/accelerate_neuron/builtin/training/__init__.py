@@ -2,7 +2,9 @@
 
 - ``TrainingArguments`` (:mod:`.args`): ``neuron:0`` for a single
   process (a launched run keeps the rank's core from Accelerate's state),
-  ``bf16=True`` accepted, ``fp16=True`` refused with a pointer to bf16,
+  ``bf16=True`` accepted, ``fp16=True`` refused with a pointer to bf16
+  (also ``Accelerator(mixed_precision="fp16")`` and a launch config's fp16:
+  :mod:`.precision`),
   ``torch_compile=True`` -> backend ``"neuron"``, ``dataloader_drop_last``
   on by default with compile.
 - compile settings (:mod:`.compile_config`): ``DynamoBackend.NEURON`` backfilled
@@ -32,7 +34,7 @@ from typing import Any
 from ...hookspecs import hookimpl
 from ...patching import Patch
 from ..enum_backfill import dynamo_backend_neuron
-from . import args, checkpoints, compile_config, rng, shapes, trainer
+from . import args, checkpoints, compile_config, precision, rng, shapes, trainer
 
 _ARGS = "transformers.training_args"
 
@@ -94,6 +96,16 @@ def neuron_patches() -> list[Patch]:
                 "transformers.utils.is_torch_bf16_gpu_available",
             ),
             needed=args.bf16_needed,
+        ),
+        Patch(
+            "accelerate.accelerator",
+            "Accelerator.__init__",
+            precision.wrap_accelerator_init,
+            reason="fp16 mixed precision on Neuron (argument, or an Accelerate config's mixed_precision: fp16 handed "
+            "over by accelerate launch) stops with a message naming bf16",
+            lacking="accelerate <= 1.15 (a message without bf16); 1.16 (fp16 with a GradScaler no public Neuron "
+            "document covers)",
+            params=("mixed_precision", "cpu"),
         ),
         # --- Trainer: static batch shapes, recompile watchdog
         Patch(

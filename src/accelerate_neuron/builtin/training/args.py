@@ -1,13 +1,14 @@
 """``TrainingArguments`` on Neuron: device, bf16, fp16 refusal, compile backend, drop_last.
 
-What each Transformers release lacks (upstream research notes, section 1):
+What each Transformers release lacks (read from their sources):
 
 - 4.x picks ``cpu`` when no CUDA is present (no Neuron branch in
   ``_setup_devices``) and refuses ``bf16=True`` ("Your setup doesn't support
   bf16/gpu") because ``is_torch_bf16_gpu_available`` knows no Neuron.
 - 4.x defaults ``torch_compile_backend`` to ``"inductor"``; 5.x picks ``"neuron"``.
-- No release refuses ``fp16=True`` early: Accelerate fails later, deep inside
-  ``Accelerator.__init__``, with a message that does not mention bf16.
+- No release refuses ``fp16=True`` early: Accelerate <= 1.15 fails later, deep
+  inside ``Accelerator.__init__``, with a message that does not mention bf16;
+  1.16 accepts it (see :mod:`.precision` for why it is refused here).
 - No release makes the last batch static (``dataloader_drop_last``).
 
 A user's explicit choice always wins. To know which fields were passed
@@ -30,6 +31,7 @@ import os
 from typing import Any
 
 from ... import device, logs
+from . import precision
 from .compile_config import train_compile_config
 
 logger = logging.getLogger(__name__)
@@ -97,22 +99,11 @@ def targets_neuron(args: Any) -> bool:
     return not forced or forced.split(":")[0] == device.DEVICE_TYPE
 
 
-def _check_fp16(args: Any) -> None:
-    chosen = [name for name in ("fp16", "fp16_full_eval") if getattr(args, name, False)]
-    if chosen:
-        flags = " and ".join(f"{name}=True" for name in chosen)
-        raise ValueError(
-            f"{flags} is not supported on Neuron: Accelerate has no fp16 mixed precision (and no grad scaler) for "
-            f"the neuron device. Use bf16=True (bf16_full_eval=True for evaluation), the native training type of "
-            f"NeuronCores; or use_cpu=True to train on the CPU."
-        )
-
-
 def wrap_post_init(original: Any) -> Any:
     def __post_init__(self: Any) -> None:
         neuron = targets_neuron(self)
         if neuron:
-            _check_fp16(self)
+            precision.check_training_arguments(self)
             _default_compile(self)
         original(self)
         if neuron:

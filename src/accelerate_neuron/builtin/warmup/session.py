@@ -6,8 +6,10 @@ meets the same shapes in the same order; a worker compiles only the shapes whose
 index (order of first appearance) is ``i`` modulo ``N``, and returns at once for
 the others. Progress goes, one JSON object per line, to the file named by
 ``ACCELERATE_NEURON_PRECOMPILE_PROGRESS`` (the parent reads it for its bar and
-summary). The Python API (:func:`accelerate_neuron.precompile`) opens a session
-of one shard in-process with :func:`warming_up`.
+summary). When CMD is a launcher, every rank of a worker is such a process: each
+counts the shapes it meets itself, and its events carry its rank. The Python
+API (:func:`accelerate_neuron.precompile`) opens a session of one shard
+in-process with :func:`warming_up`.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ class Session:
         """Append one event to the progress file (a line per event, written whole: the parent reads as it goes)."""
         if not self.progress:
             return
-        line = json.dumps({**event, "shard": self.index, "pid": os.getpid(), "time": time.time()}, default=str)
+        line = json.dumps(
+            {**event, "shard": self.index, "rank": _rank(), "pid": os.getpid(), "time": time.time()}, default=str
+        )
         try:
             with open(self.progress, "a", encoding="utf-8") as fh:
                 fh.write(line + "\n")
@@ -82,6 +86,14 @@ class Session:
 
 def _signature(kind: str, shape: dict[str, Any]) -> str:
     return json.dumps({"kind": kind, **shape}, sort_keys=True, default=str)
+
+
+def _rank() -> int:
+    """This process's rank in a launched job (torchrun / accelerate launch set RANK), 0 otherwise."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 _lock = threading.Lock()

@@ -13,6 +13,10 @@ representatives the same way.
 Nothing reaches the user's output folder: the Trainer works in a scratch
 folder, reporting integrations (TensorBoard, W&B, ...) are removed, and
 ``save_model`` / checkpoints / ``push_to_hub`` do nothing.
+
+Under a launcher every rank does this with its own shard of the data, and the
+ranks take as many steps as the rank with the most distinct shapes (a training
+step all-reduces gradients across ranks, an evaluation step gathers).
 """
 
 from __future__ import annotations
@@ -86,9 +90,11 @@ class Representatives:
         warm = _active()
         for shape, batch in self.batches:
             started = time.perf_counter()
-            yield batch
-            if warm is not None:
-                warm.done(self.kind, shape, time.perf_counter() - started)
+            try:
+                yield batch
+            finally:  # also when the loop stops asking after its last step (the Trainer counts its steps)
+                if warm is not None:
+                    warm.done(self.kind, shape, time.perf_counter() - started)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("loader", "batches", "kind"):
@@ -122,9 +128,33 @@ def _representatives(trainer: Any, loader: Any, kind: str, key: Any) -> Represen
             # evaluate() over nothing has no metrics to return: run another worker's first shape again
             # (a NEFF cache hit, or one compile shared through the cache lock).
             batches.append(first)
-        kept[key] = batches
+        kept[key] = _in_step_with_the_other_ranks(trainer, batches, first, kind)
         logger.info("accelerate_neuron: precompile: %s runs %d batch shape(s) in this worker", kind, len(batches))
     return Representatives(loader, kept[key], kind)
+
+
+def _in_step_with_the_other_ranks(trainer: Any, batches: list, first: Any, kind: str) -> list:
+    """Under a launcher, every rank runs as many warm-up steps as the rank with the most.
+
+    Each rank meets its own shard of the data, so its own shapes: in a real run the ranks take the same number
+    of steps, but one step per distinct shape differs from rank to rank, and a training step all-reduces the
+    gradients (an evaluation step gathers) with every other rank. A rank with fewer repeats its last batch (its
+    graphs are compiled already), one with none the first batch it met (a NEFF cache hit, or one compile
+    shared with the other ranks through the cache lock).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return batches
+    accelerator = trainer.accelerator
+    counts = accelerator.gather(torch.tensor([len(batches)], device=accelerator.device))
+    most = int(counts.max().item())
+    spare = batches[-1] if batches else first
+    if spare is None and most:
+        logger.warning("accelerate_neuron: precompile: this rank has no %s batch while others have some", kind)
+        return batches
+    return batches + [spare] * (most - len(batches))
 
 
 def wrap_dataloader(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
