@@ -10,7 +10,8 @@ compiler has no lowering for). Off Neuron it is ``grouped_mm`` itself. A user's
 ``auto`` / ``dense`` / ``off`` (:mod:`.experts`).
 
 Transformers 4.57 loops over experts in Python inside each model's sparse MoE block
-(:mod:`.legacy`).
+(:mod:`.legacy`). The router's auxiliary loss counts experts without an integer
+``histc`` on Neuron (:mod:`.aux_loss`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from ...hookspecs import hookimpl
 from ...patching import Patch
-from . import experts, legacy
+from . import aux_loss, experts, legacy
 
 _WHY = (
     "experts on Neuron with shapes fixed by the token count (dense experts, or gathered weights for small "
@@ -72,4 +73,5 @@ def neuron_patches() -> list[Patch]:
             gone="this release has no experts interface (Transformers < 5)",
         ),
         *legacy.patches(_WHY),
+        *aux_loss.patches(),
     ]

@@ -11,6 +11,7 @@ upstream's order (expert by expert, ascending), so results are upstream's.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
 
@@ -20,10 +21,10 @@ from ...device import DEVICE_TYPE
 from ...patching import Patch
 from . import experts
 
-#: (module, class) of the 4.57 blocks this replaces.
+#: (module, sparse MoE block class, the family's pretrained-model class) of the 4.57 blocks this replaces.
 BLOCKS = (
-    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
-    ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoePreTrainedModel"),
+    ("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", "MixtralPreTrainedModel"),
 )
 
 
@@ -66,16 +67,42 @@ def _wrap(original: Any) -> Any:
     return forward
 
 
+def _compilable(_original: Any) -> property:
+    # Read on instances only (in 4.57 by accelerate-neuron's generate() alone: static cache and compiled decode).
+    return property(lambda _self: experts.mode() != "off")
+
+
+def _block_loops(module: str, cls: str) -> Any:
+    def needed(_original: Any) -> str | None:
+        return _loops_over_hit_experts(getattr(importlib.import_module(module), cls).forward)
+
+    return needed
+
+
 def patches(why: str) -> list[Patch]:
-    return [
-        Patch(
-            module,
-            f"{cls}.forward",
-            _wrap,
-            reason=f"{cls} on Neuron: {why}",
-            lacking="Transformers < 5 (a Python loop over the experts the routing hit)",
-            params=("self", "hidden_states"),
-            needed=_loops_over_hit_experts,
+    out = []
+    for module, cls, pretrained in BLOCKS:
+        out.append(
+            Patch(
+                module,
+                f"{cls}.forward",
+                _wrap,
+                reason=f"{cls} on Neuron: {why}",
+                lacking="Transformers < 5 (a Python loop over the experts the routing hit)",
+                params=("self", "hidden_states"),
+                needed=_loops_over_hit_experts,
+            )
         )
-        for module, cls in BLOCKS
-    ]
+        out.append(
+            Patch(
+                module,
+                f"{pretrained}._can_compile_fullgraph",
+                _compilable,
+                reason=f"{pretrained}: its models compile whole once the sparse MoE block is dense (upstream says "
+                "False because of the block's data-dependent torch.where), so generate() gets a static cache and "
+                "a compiled decode step as dense models do",
+                lacking="Transformers < 5",
+                needed=_block_loops(module, cls),
+            )
+        )
+    return out
