@@ -10,7 +10,8 @@ model, Dynamo reset and a cold (memory-only) NEFF cache:
 - ``patched``: accelerate-neuron as installed (experts ``auto``);
 - ``experts_off``: the same with ``ACCELERATE_NEURON_MOE_EXPERTS=off`` (upstream's ``grouped_mm`` experts, every
   other patch on: bucketed prefill, static cache, compiled decode);
-- ``stock``: every patch reverted in this process.
+- ``stock``: every patch reverted in this process (stock ``device_map="auto"`` leaves the model on the CPU: it is
+  then moved with ``model.to("neuron")``, as a user would).
 
 Per mode: graphs compiled, eager signatures, the cost model's compile time on Trainium
 (:mod:`accelerate_neuron.costs`), CPU fallbacks run (host round trips), graphs holding an op the compiler cannot
@@ -56,7 +57,9 @@ def run(path: str, texts: list[str], expected: list[torch.Tensor]) -> dict[str, 
     tok = tiny.tokenizer()
     torch._dynamo.reset()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, device_map="auto").eval()
-    row: dict[str, object] = {}
+    row: dict[str, object] = {"placed": model.device.type}
+    if model.device.type != "neuron":  # stock device_map="auto" plans for the CPU only: move it as a user would
+        model.to("neuron")
     with neff_cache.temporary():
         simulator.reset_stats()
         differ = 0

@@ -113,9 +113,8 @@ def test_the_users_choice_wins_and_the_patches_are_recorded(saved: dict, monkeyp
         # 4.57: no experts interface to register in; the sparse MoE blocks are replaced instead.
         # (a patch whose module this release lacks is never attempted: it has no record)
         assert "transformers.integrations.moe.ExpertsInterface._global_mapping" not in records
-        assert records["transformers.models.mixtral.modeling_mixtral.MixtralPreTrainedModel._can_compile_fullgraph"].status == (
-            "applied"
-        )
+        compilable = "transformers.models.mixtral.modeling_mixtral.MixtralPreTrainedModel._can_compile_fullgraph"
+        assert records[compilable].status == "applied"
         assert records["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock.forward"].status == (
             "applied"
         )
@@ -192,8 +191,14 @@ def test_trainer_compiles_once_per_length_bucket_and_matches_the_cpu(
         torch._dynamo.reset()
         simulator.reset_stats()
         args = TrainingArguments(
-            output_dir=str(tmp_path / "out"), report_to=[], save_strategy="no", logging_strategy="no", seed=0,
-            per_device_train_batch_size=4, num_train_epochs=1, **kwargs,
+            output_dir=str(tmp_path / "out"),
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            seed=0,
+            per_device_train_batch_size=4,
+            num_train_epochs=1,
+            **kwargs,
         )
         trainer = Trainer(
             model=tiny.model("qwen3_moe", output_router_logits=True, **INIT),

@@ -77,8 +77,9 @@ def dense_experts_forward(
         sample_weights = sample_weights.masked_fill(foreign, 0.0)
     has_bias = getattr(module, "has_bias", False)
     if module.has_gate:
-        up = _project(hidden_states, module.gate_up_proj, module.gate_up_proj_bias if has_bias else None,
-                      module.is_transposed)
+        up = _project(
+            hidden_states, module.gate_up_proj, module.gate_up_proj_bias if has_bias else None, module.is_transposed
+        )
         # A model's own gate (_apply_gate) expects (pairs, 2 * intermediate): give it that layout.
         act = module._apply_gate(up.reshape(num_experts * num_tokens, -1))
     else:
