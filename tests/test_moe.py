@@ -216,3 +216,50 @@ def test_trainer_compiles_once_per_length_bucket_and_matches_the_cpu(
     assert stats["compiles"] <= 4 and {g["kind"] for g in stats["graphs"]} <= {"forward", "backward"}
     assert all(g["host_ops"] == [] for g in stats["graphs"])
     assert stats["cpu_fallbacks"] == 0
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+@pytest.mark.slow
+def test_expert_parallel_forward_on_two_ranks_equals_one_process(saved: dict, tmp_path: Any) -> None:
+    """DistributedConfig(tp_size=2, ep_size=2) under torchrun: each rank on its own core holds half the experts,
+    and the logits equal the single-process run's. Inference only: training with EP is not covered."""
+    import dataclasses
+    import json
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    from helpers import run_launcher
+
+    fields = {f.name for f in dataclasses.fields(transformers.DistributedConfig)} if INTERFACE else set()
+    if "ep_size" not in fields:
+        pytest.skip(f"Transformers {transformers.__version__}: DistributedConfig has no ep_size")
+    script = str(Path(__file__).parent / "scripts" / "ep_forward.py")
+    bin_dir = Path(sys.executable).parent
+    single, ranks = tmp_path / "single", tmp_path / "ranks"
+    run_launcher([sys.executable, script, str(saved["qwen3_moe"]), str(single), "1"], cores=1)
+    run_launcher(
+        [
+            str(bin_dir / "torchrun"),
+            "--standalone",
+            "--nproc_per_node=2",
+            script,
+            str(saved["qwen3_moe"]),
+            str(ranks),
+            "2",
+        ],
+        cores=2,
+    )
+    reference = json.loads((single / "rank0.json").read_text())
+    reports = [json.loads((ranks / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reference["local_experts"][0] == 4
+    for report in reports:
+        assert report["device"] == "neuron:0" and report["experts_implementation"] == experts.KEY
+        assert report["local_experts"][0] == 2  # half of the 4 experts on each rank
+        assert report["cpu_fallbacks"] == 0
+        assert report["logits_sum"] == pytest.approx(reference["logits_sum"], rel=1e-4)
+        assert report["logits_head"] == pytest.approx(reference["logits_head"], rel=1e-4, abs=1e-5)
+    assert [r["physical_core"] for r in reports] == [0, 1]
