@@ -263,3 +263,22 @@ def test_expert_parallel_forward_on_two_ranks_equals_one_process(saved: dict, tm
         assert report["logits_sum"] == pytest.approx(reference["logits_sum"], rel=1e-4)
         assert report["logits_head"] == pytest.approx(reference["logits_head"], rel=1e-4, abs=1e-5)
     assert [r["physical_core"] for r in reports] == [0, 1]
+
+
+def test_the_dry_run_report_names_graphs_holding_ops_neuron_cannot_compile() -> None:
+    from accelerate_neuron.cli import _dryrun, _render
+
+    graphs = [
+        {"host_ops": ["aten::histc", "transformers::grouped_mm_fallback"]},
+        {"host_ops": []},
+        {"host_ops": ["aten::histc"]},
+    ]
+    held = _dryrun.host_op_graphs([{"stats": {"graphs": graphs}}, {"stats": {}}])
+    assert held == {
+        "graphs": 2,
+        "ops": [{"op": "aten::histc", "graphs": 2}, {"op": "transformers::grouped_mm_fallback", "graphs": 1}],
+    }
+    text = "\n".join(_render._host_op_graphs({"host_op_graphs": held}))
+    assert "Compiled graphs holding ops Neuron cannot compile: 2" in text
+    assert "aten::histc in 2 graphs" in text and "ACCELERATE_NEURON_MOE_EXPERTS" in text
+    assert _render._host_op_graphs({"host_op_graphs": {"graphs": 0, "ops": []}}) == []
