@@ -132,3 +132,114 @@ def test_unknown_sequence_keys_leave_the_batch_alone_with_one_warning(caplog: py
     multi = {"input_ids": torch.ones(2, 5, dtype=torch.long), "labels": torch.zeros(2, 3)}
     out = BucketingCollator(lambda f: dict(multi), Plan(policy, values))([])
     assert out["input_ids"].shape == (2, 16) and out["labels"].shape == (2, 3)
+
+
+# ---------------------------------------------------------------- TRL SFTTrainer + PEFT LoRA
+
+_WORDS = "the cat sat on a mat and then ran off to see the dog who was very happy".split()
+
+
+def _prompt_completion_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """Prompt/completion pairs (TRL's completion-only loss) of long-tailed lengths."""
+    rng = random.Random(seed)
+
+    def text(words: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+    return [
+        {"prompt": text(rng.randint(1, 4)), "completion": text(max(1, round(rng.lognormvariate(1.6, 0.9))))}
+        for _ in range(n)
+    ]
+
+
+class _Recorder:
+    """Wraps TRL's collator to record the length it padded each batch to (upstream's shape)."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+        self.lengths: list[int] = []
+
+    def __call__(self, features: list[Any]) -> Any:
+        batch = self.collator(features)
+        self.lengths.append(int(batch["input_ids"].shape[1]))
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "collator":
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
+
+def _sft(tmp_path: Any, *, cpu: bool = False, steps: int = 6, **config: Any) -> dict[str, Any]:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    torch._dynamo.reset()
+    simulator.reset_stats()
+    args = SFTConfig(
+        output_dir=str(tmp_path / "sft"),
+        per_device_train_batch_size=BATCH,
+        max_steps=steps,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        seed=0,
+        max_length=128,
+        use_cpu=cpu,
+        torch_compile=not cpu,
+        **{"pad_to_multiple_of": None, **config},  # TRL's "auto" pads to multiples of 128 on Neuron
+    )
+    trainer = SFTTrainer(
+        model=tiny.model("llama"),
+        args=args,
+        train_dataset=Dataset.from_list(_prompt_completion_rows(BATCH * steps, seed=3)),
+        processing_class=tiny.tokenizer(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    recorder = _Recorder(trainer.data_collator)
+    trainer.data_collator = recorder
+    loss = trainer.train().training_loss
+    return {"loss": loss, "trainer": trainer, "upstream_lengths": recorder.lengths, **simulator.stats()}
+
+
+def test_trl_sft_with_lora_completion_only_is_bucketed_and_exact(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peft import PeftModel
+
+    monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "off")
+    off = _sft(tmp_path)  # upstream's shapes on the device
+    monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", BUCKETS)
+    run = _sft(tmp_path)
+    trainer = run["trainer"]
+    assert trainer.args.device.type == "neuron" and trainer.args.completion_only_loss is not False
+    # Upstream's shapes: a length per batch; the plugin's: the buckets those lengths fall in.
+    upstream = sorted(set(off["upstream_lengths"]))
+    touched = sorted({32 if n <= 32 else 64 for n in run["upstream_lengths"]})
+    assert len(upstream) >= 4 and touched == [32, 64], (upstream, touched)
+    # TRL's step breaks into several graphs, compiled once per bucket: the same number for each.
+    assert run["compiles"] > 0 and run["compiles"] % len(touched) == 0
+    # Upstream compiles them again for its lengths (and, past Dynamo's limits, runs frames eagerly, op by op).
+    assert run["compiles"] <= off["compiles"] / 2 and run["eager_signatures"] < off["eager_signatures"]
+    # Completion-only loss, LoRA, padded: every real token counts as in the unpadded run, the pad never does.
+    assert run["loss"] == pytest.approx(off["loss"], rel=1e-5)
+
+    # PEFT: the adapter saved from the device reloads bit-identical, and merges on Neuron.
+    model = trainer.model
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(tiny.model("llama"), tmp_path / "adapter")
+    trained = {k: v.detach().cpu() for k, v in model.state_dict().items() if "lora_" in k}
+    again = {k: v for k, v in reloaded.state_dict().items() if "lora_" in k}
+    assert trained and trained.keys() == again.keys()
+    assert all(torch.equal(trained[k], again[k]) for k in trained)
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in trained.items() if "lora_B" in k)  # it trained
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3]], device=model.device)
+    with torch.no_grad():
+        # model.base_model: the LoRA model without the bf16 autocast Accelerate wrapped around model.forward.
+        before = model.base_model(input_ids=ids).logits.cpu()
+        merged = model.merge_and_unload()
+        after = merged(input_ids=ids).logits.cpu()
+    assert next(merged.parameters()).device.type == "neuron" and not isinstance(merged, PeftModel)
+    assert next(merged.parameters()).dtype == torch.float32
+    assert torch.allclose(before, after, atol=1e-5, rtol=1e-5)  # W + B @ A once, instead of x @ W + (x @ A) @ B
