@@ -170,13 +170,11 @@ class _Recorder:
         return getattr(self.collator, name)
 
 
-def _sft(tmp_path: Any, *, cpu: bool = False, steps: int = 6, **config: Any) -> dict[str, Any]:
+def _sft_trainer(tmp_path: Any, *, cpu: bool = False, steps: int = 6, peft: bool = True, **config: Any) -> Any:
     from datasets import Dataset
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    torch._dynamo.reset()
-    simulator.reset_stats()
     args = SFTConfig(
         output_dir=str(tmp_path / "sft"),
         per_device_train_batch_size=BATCH,
@@ -185,18 +183,24 @@ def _sft(tmp_path: Any, *, cpu: bool = False, steps: int = 6, **config: Any) -> 
         save_strategy="no",
         logging_strategy="no",
         seed=0,
-        max_length=128,
         use_cpu=cpu,
         torch_compile=not cpu,
-        **{"pad_to_multiple_of": None, **config},  # TRL's "auto" pads to multiples of 128 on Neuron
+        **{"pad_to_multiple_of": None, "max_length": 128, **config},  # TRL's "auto" pads to multiples of 128 on Neuron
     )
-    trainer = SFTTrainer(
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return SFTTrainer(
         model=tiny.model("llama"),
         args=args,
         train_dataset=Dataset.from_list(_prompt_completion_rows(BATCH * steps, seed=3)),
         processing_class=tiny.tokenizer(),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+        peft_config=lora if peft else None,
     )
+
+
+def _sft(tmp_path: Any, **kwargs: Any) -> dict[str, Any]:
+    torch._dynamo.reset()
+    simulator.reset_stats()
+    trainer = _sft_trainer(tmp_path, **kwargs)
     recorder = _Recorder(trainer.data_collator)
     trainer.data_collator = recorder
     loss = trainer.train().training_loss
@@ -243,3 +247,61 @@ def test_trl_sft_with_lora_completion_only_is_bucketed_and_exact(
     assert next(merged.parameters()).device.type == "neuron" and not isinstance(merged, PeftModel)
     assert next(merged.parameters()).dtype == torch.float32
     assert torch.allclose(before, after, atol=1e-5, rtol=1e-5)  # W + B @ A once, instead of x @ W + (x @ A) @ B
+
+
+@pytest.mark.parametrize(
+    "config", [{"packing": True}, {"padding_free": True, "max_length": None}], ids=["packing", "padding_free"]
+)
+def test_trl_packed_and_padding_free_batches_keep_their_shapes(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any]
+) -> None:
+    """Flattened batches (one row, boundaries in position_ids) pass as TRL built them: no new shape, no broken
+    sequence boundaries (their cu_seq_lens would no longer match a longer row)."""
+    monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", BUCKETS)
+    trainer = _sft_trainer(tmp_path, peft=False, **{"pad_to_multiple_of": "auto", **config})
+    recorder = _Recorder(trainer.data_collator)
+    trainer.data_collator = recorder
+    batches = list(trainer.get_train_dataloader())
+    assert batches and all("cu_seq_lens_q" in b and b["input_ids"].shape[0] == 1 for b in batches)
+    assert [b["input_ids"].shape[1] for b in batches] == recorder.lengths  # TRL's own shapes, untouched
+    assert all(b["position_ids"].shape == b["input_ids"].shape == b["labels"].shape for b in batches)
+
+
+def test_trl_dpo_batches_are_bucketed(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DPO stacks chosen and rejected rows, right-padded, with a completion mask: all known keys, padded exactly."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "32,64,128")
+    rows = [
+        {"prompt": r["prompt"], "chosen": r["completion"], "rejected": s["completion"]}
+        for r, s in zip(_prompt_completion_rows(8, seed=4), _prompt_completion_rows(8, seed=5), strict=True)
+    ]
+    args = DPOConfig(
+        output_dir=str(tmp_path / "dpo"),
+        per_device_train_batch_size=BATCH,
+        report_to=[],
+        seed=0,
+        max_length=128,
+        pad_to_multiple_of=None,
+        torch_compile=True,
+    )
+    model = tiny.model("llama")
+    trainer = DPOTrainer(
+        model=model,
+        ref_model=tiny.model("llama"),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tiny.tokenizer(),
+    )
+    recorder = _Recorder(trainer.data_collator)
+    trainer.data_collator = recorder
+    batches = list(trainer.get_train_dataloader())
+    assert {k for b in batches for k in b} >= {"input_ids", "attention_mask", "completion_mask"}
+    assert [b["input_ids"].shape for b in batches] == [
+        (2 * BATCH, next(b for b in (32, 64, 128) if b >= n)) for n in recorder.lengths
+    ]
+    for b in batches:
+        assert b["attention_mask"].shape == b["completion_mask"].shape == b["input_ids"].shape
+        real = b["attention_mask"].sum(dim=1)
+        assert all(b["completion_mask"][row, int(n) :].eq(0).all() for row, n in enumerate(real))
