@@ -22,6 +22,7 @@ and does not model compile time: the Trainium compile estimate uses the
 
     python benchmarks/training.py [--samples 256] [--batch 8] [--min-len 8] [--max-len 512]
                                   [--dist uniform|lognormal] [--seed N] [--scenario trainer|trl-sft]
+                                  [--trl-pad-to-multiple-of auto|none|N]
                                   [--fp32] [--output FILE]
 
 ``--scenario trl-sft``: TRL's ``SFTTrainer`` with a LoRA ``peft_config`` on
@@ -86,7 +87,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     if trl:  # TRL's SFTConfig is a TrainingArguments; TRL's own collator pads each batch to its longest sample
         from trl import SFTConfig as TrainingArguments
     try:
-        extra = {"max_length": spec["max_len"]} if trl else {}
+        extra = {"max_length": spec["max_len"], "pad_to_multiple_of": spec["trl_multiple"]} if trl else {}
         args = TrainingArguments(
             **extra,
             output_dir=tempfile.mkdtemp(),
@@ -212,7 +213,7 @@ def report(spec: dict[str, Any], results: dict[str, dict[str, Any]], command: st
         multiple = next((r.get("pad_to_multiple_of") for r in results.values() if "steps" in r), None)
         what = (
             f"tiny Llama + LoRA (r=8, q/v), TRL {trl.__version__} SFTTrainer and its own collator "
-            f"(pad_to_multiple_of={multiple!r}: TRL's 'auto')"
+            f"(pad_to_multiple_of={multiple!r}, asked: {spec.get('trl_multiple')!r})"
         )
     lines = [
         f"Command: `{command}`",
@@ -282,6 +283,11 @@ def main() -> None:
         default="trainer",
         help="trainer: Trainer + Transformers' collator; trl-sft: TRL's SFTTrainer with a LoRA peft_config",
     )
+    parser.add_argument(
+        "--trl-pad-to-multiple-of",
+        default="auto",
+        help="trl-sft: SFTConfig.pad_to_multiple_of (TRL 1.16's 'auto' is 128 on Neuron; 'none': each batch's longest)",
+    )
     parser.add_argument("--fp32", action="store_true", help="train in fp32 instead of bf16")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--output", type=Path, help="also write the markdown report here")
@@ -301,6 +307,7 @@ def main() -> None:
         "dist": ns.dist,
         "bf16": not ns.fp32,
         "scenario": ns.scenario,
+        "trl_multiple": ns.trl_pad_to_multiple_of,
     }
     results = {}
     for name in ns.modes:
