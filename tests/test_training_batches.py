@@ -126,6 +126,14 @@ def test_unknown_sequence_keys_leave_the_batch_alone_with_one_warning(caplog: py
     collate = BucketingCollator(with_weights, Plan(policy, pad_values_for(with_weights, policy)))
     batch = collate(_samples([3, 5]))
     assert batch["token_weights"].shape == (2, 16) and batch["token_weights"][:, 5:].eq(0).all()
+    # A dataloader worker gets a pickled copy: a plan still to resolve is resolved first, in the main process.
+    import pickle
+
+    resolved = []
+    lazy = BucketingCollator(pad_to_longest, resolve=lambda: Plan(policy, pad_values_for(pad_to_longest, policy)))
+    lazy.__dict__["_on_first"] = resolved.append
+    copy = pickle.loads(pickle.dumps(lazy))
+    assert copy(_samples([3, 5]))["input_ids"].shape == (2, 16) and len(resolved) == 1
     # decoder_* keys pad as their unprefixed names; float (batch, classes) labels are not a sequence.
     values = pad_values_for(pad_to_longest, policy)
     assert values["decoder_attention_mask"] == 0 and values["decoder_input_ids"] == 0
