@@ -27,14 +27,20 @@ BUCKETS = "32,64"
 
 
 def pad_to_longest(features: list[list[int]]) -> dict[str, torch.Tensor]:
-    """A user's collator: pads to the longest sample, on the right, with token 0."""
+    """A user's collator: pads to the longest sample, on the right, with token 0 (and passes position_ids)."""
     longest = max(len(f) for f in features)
     ids = torch.zeros(len(features), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, f in enumerate(features):
         ids[row, : len(f)] = torch.tensor(f)
         mask[row, : len(f)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # explicit position_ids, 0 on the pad
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": positions,
+        "labels": ids.masked_fill(mask == 0, -100),
+    }
 
 
 def _samples(lengths: list[int], seed: int = 0) -> list[list[int]]:
