@@ -252,6 +252,7 @@ RACER = """
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_concurrent_writers_never_leave_a_damaged_entry(tmp_path: Path) -> None:
     script = tmp_path / "race.py"
     script.write_text(textwrap.dedent(RACER))
@@ -295,6 +296,7 @@ GENERATE = """
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_the_same_script_run_twice_compiles_nothing_the_second_time(tmp_path: Path) -> None:
     from accelerate_neuron import tiny
 
@@ -340,6 +342,7 @@ TWO_RANKS = """
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_two_ranks_compiling_one_graph_pay_one_compile(tmp_path: Path) -> None:
     script = tmp_path / "two_ranks.py"
     script.write_text(textwrap.dedent(TWO_RANKS))
@@ -358,6 +361,7 @@ def test_two_ranks_compiling_one_graph_pay_one_compile(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_disabling_the_cache_compiles_every_run(tmp_path: Path) -> None:
     code = """
         import json, torch
@@ -376,6 +380,7 @@ def test_disabling_the_cache_compiles_every_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_demo_warm_start_and_env_show_the_cache(tmp_path: Path) -> None:
     cache = tmp_path / "neff"
     runs = []

@@ -19,6 +19,7 @@ RSS_BOUND = 64 * 2**20
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_short_soak_keeps_memory_and_compiles_flat() -> None:
     import subprocess
 
