@@ -32,6 +32,7 @@ DISABLE_ENV = settings.env_name("disable")
 BUILTIN_PLUGINS: dict[str, str] = {
     "placement": "accelerate_neuron.builtin.placement",
     "generation": "accelerate_neuron.builtin.generation",
+    "regions": "accelerate_neuron.builtin.regions",
     "training": "accelerate_neuron.builtin.training",
     "launch": "accelerate_neuron.builtin.launch",
     "inference": "accelerate_neuron.builtin.inference",

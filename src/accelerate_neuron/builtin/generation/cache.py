@@ -214,16 +214,17 @@ def _warn_split_model() -> None:
         "accelerate_neuron: generate() does not auto-compile a model dispatched across several Neuron cores: "
         "its decode step would be one graph holding tensors of several cores, and a NEFF runs on one NeuronCore "
         "(torch-neuronx's support for such graphs is unverified). Decode runs eagerly with a static cache "
-        "instead; pass compile_config=CompileConfig(...) to compile anyway, "
-        "or load the model on one core (device_map={'': 0}) if it fits.",
+        "instead, because %s=off; its default (auto) compiles each decoder layer on its own core.",
+        settings.env_name("compile_regions"),
     )
 
 
-def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_config: Any) -> Any:
+def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_config: Any, regional: bool = False) -> Any:
     """The compile config ``_valid_auto_compile_criteria`` should see for a model on Neuron.
 
     ``None``: leave upstream's decision alone (nothing to compile, or compiling disabled); ``False``: do not
-    compile (a model split across cores); else the caller's config (copied) or Neuron's defaults, with
+    compile (a model split across cores, without regions); ``regional``: the decoder layers are what compiles
+    (:mod:`..regions`), so a split model is fine; else the caller's config (copied) or Neuron's defaults, with
     upstream's own flag that lets 4.x compile on a device other than CUDA.
     """
     if getattr(generation_config, "disable_compile", False):
@@ -233,7 +234,7 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
         # Nothing to compile (e.g. a dynamic cache): adding a config would only make upstream
         # warn that it cannot honour it.
         return None
-    if config is None and split_across_devices(model):
+    if config is None and split_across_devices(model) and not regional:
         _warn_split_model()
         return False
     if config is None:
@@ -249,15 +250,24 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
 GRAPH_ROOM = 256
 
 
-def make_room_for_buckets(why: str = "generate() compiles one graph per prompt/batch/cache bucket") -> None:
-    """Raise Dynamo's recompile limit so the bucketed graphs of one frame never fall back to eager."""
+def make_room_for_buckets(
+    why: str = "generate() compiles one graph per prompt/batch/cache bucket", layers: int = 1
+) -> None:
+    """Raise Dynamo's recompile limits so the bucketed graphs of one frame never fall back to eager.
+
+    ``layers``: how many modules share the frame (decoder layers compiled as regions: Dynamo keeps one entry per
+    layer and shape, since each layer's index is a constant of its graph).
+    """
     import torch._dynamo.config as dynamo_config
 
-    if dynamo_config.recompile_limit < GRAPH_ROOM:
+    room = max(GRAPH_ROOM, layers * 64)
+    if dynamo_config.recompile_limit < room:
         logger.info(
             "accelerate_neuron: torch._dynamo.config.recompile_limit raised from %d to %d: %s in one frame",
             dynamo_config.recompile_limit,
-            GRAPH_ROOM,
+            room,
             why,
         )
-        dynamo_config.recompile_limit = GRAPH_ROOM
+        dynamo_config.recompile_limit = room
+    if getattr(dynamo_config, "accumulated_recompile_limit", room) < room:
+        dynamo_config.accumulated_recompile_limit = room
