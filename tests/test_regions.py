@@ -13,6 +13,8 @@ layer again (its index is a constant of the graph), which on Trainium costs a
 trace and a cache load per layer and shape, not a compile (docs/fidelity.md).
 """
 
+# ruff: noqa: F811 - the fixtures imported from test_generation are parameters of the tests below
+
 from __future__ import annotations
 
 import pytest
