@@ -174,3 +174,22 @@ def test_four_layers_over_four_cores_in_a_child():
     assert result["same"] == [True, True]
     assert len(result["spans"]) >= 3 and len(result["cores"]) >= 2, result  # the model over 3+ cores, layers on 2+
     assert result["compiles"] == 2 and result["hits"] == 2 * 3, result  # prefill + decode, once for four layers
+
+
+def test_inference_call_of_a_split_model_runs_its_layers_compiled_and_training_stays_eager(sim, tok, tmp_path):
+    torch._dynamo.reset()
+    cpu, split = _split_over_two_cores(tmp_path, 4)
+    enc = tok([_prompt(5), _prompt(9, offset=2)], return_tensors="pt", padding=True)
+    simulator.reset_stats()
+    with torch.no_grad():
+        got = split(**{k: v.to(split.device) for k, v in enc.items()}).logits
+        want = cpu(**enc).logits
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)  # bucketed (padded) call: float rounding
+    stats = simulator.stats()
+    assert stats["compiles"] == 1 and stats["compile_cache_hits"] == 3  # one layer graph, loaded by three layers
+    # Training (gradients on) never enters a region: the split model's step runs eagerly, as documented.
+    split.train()
+    simulator.reset_stats()
+    split(**{k: v.to(split.device) for k, v in enc.items()}, labels=enc["input_ids"].to(split.device)).loss.backward()
+    assert simulator.stats()["compiles"] == 0 and simulator.stats()["compile_cache_hits"] == 0
+    assert all(p.grad is not None for p in split.model.layers[0].parameters())
