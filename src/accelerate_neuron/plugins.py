@@ -32,12 +32,12 @@ DISABLE_ENV = settings.env_name("disable")
 BUILTIN_PLUGINS: dict[str, str] = {
     "placement": "accelerate_neuron.builtin.placement",
     "generation": "accelerate_neuron.builtin.generation",
-    "regions": "accelerate_neuron.builtin.regions",
     "training": "accelerate_neuron.builtin.training",
     "launch": "accelerate_neuron.builtin.launch",
     "inference": "accelerate_neuron.builtin.inference",
     "serving": "accelerate_neuron.builtin.serving",
     "warmup": "accelerate_neuron.builtin.warmup",
+    "regions": "accelerate_neuron.builtin.regions",
 }
 
 
