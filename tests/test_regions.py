@@ -98,7 +98,8 @@ def test_split_model_generates_compiled_per_layer_and_graphs_do_not_grow_with_de
         assert first["dynamo_graphs"] == first["compiles"] * layers
         # What `accelerate-neuron simulate` reports: graphs per compiled function (the layer's forward) and core.
         regions = graphs_by_region([{"stats": first}])
-        assert {r["core"] for r in regions} == layer_cores and all("forward" in r["function"] for r in regions)
+        assert {r["core"] for r in regions} == layer_cores
+        assert len({r["function"] for r in regions}) == 1  # one compiled function, the layer class's forward
         assert sum(r["compiled"] for r in regions) == 5 and sum(r["loaded"] for r in regions) == 5 * (layers - 1)
         # The plain forwards are back after the call: the model stays as the user loaded it.
         assert all("forward" not in layer.__dict__ or "_old_forward" in layer.__dict__ for layer in split.model.layers)

@@ -23,6 +23,8 @@ import copy
 import logging
 from typing import Any
 
+import torch
+
 from ... import logs, settings
 from ...plugins import call_hook
 from . import shapes
@@ -110,9 +112,26 @@ def initialize_before_compiled_prefill(model: Any, cache: Any, batch_size: Any) 
     if not callable(early) or shape is None:
         return
     try:
-        early(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1], dtype=model.dtype, device=model.device)
+        if split_across_devices(model):
+            _initialize_on_layer_devices(model, layers, batch_size, shape)
+        else:
+            early(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1], dtype=model.dtype, device=model.device)
     except Exception as exc:  # lazy initialisation still works: one more prefill graph at worst
         logger.debug("accelerate_neuron: could not initialise the static cache ahead of the prefill: %s", exc)
+
+
+def _initialize_on_layer_devices(model: Any, cache_layers: Any, batch_size: int, shape: tuple[int, int]) -> None:
+    """Each cache layer on the core of its decoder layer (a model split over cores; what 4.x's lazy init picks)."""
+    from ..regions.layers import blocks
+
+    decoder_layers = blocks(model)
+    if len(decoder_layers) != len(cache_layers):
+        return  # not one cache layer per decoder layer: leave it to the lazy initialisation
+    for cache_layer, decoder_layer in zip(cache_layers, decoder_layers, strict=True):
+        device = next(decoder_layer.parameters()).device
+        # Upstream's own fake tensor (early_initialization): size 0 on the sequence axis, allocates nothing.
+        fake = torch.zeros((batch_size, shape[0], 0, shape[1]), dtype=model.dtype, device=device)
+        cache_layer.lazy_initialization(fake)
 
 
 def _head_shape(model: Any) -> tuple[int, int] | None:
@@ -121,8 +140,6 @@ def _head_shape(model: Any) -> tuple[int, int] | None:
     if callable(own):  # upstream's own answer where it has one (tensor parallel, MLA, ...)
         shape = own()
         return shape if shape is not None and all(isinstance(v, int) for v in shape) else None
-    if split_across_devices(model):  # layers on several cores: each allocates its own, lazily
-        return None
     try:
         config = model.config.get_text_config(decoder=True)
     except Exception:
