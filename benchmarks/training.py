@@ -21,7 +21,13 @@ and does not model compile time: the Trainium compile estimate uses the
 25-140 s per graph of the design notes, and step times are CPU step times.
 
     python benchmarks/training.py [--samples 256] [--batch 8] [--min-len 8] [--max-len 512]
-                                  [--dist uniform|lognormal] [--fp32] [--output FILE]
+                                  [--dist uniform|lognormal] [--seed N] [--scenario trainer|trl-sft]
+                                  [--trl-pad-to-multiple-of auto|none|N]
+                                  [--fp32] [--output FILE]
+
+``--scenario trl-sft``: TRL's ``SFTTrainer`` with a LoRA ``peft_config`` on
+pre-tokenized samples: TRL's own collator (not a Transformers one) builds
+the batches, which the plugin pads at Accelerate's prepared dataloader.
 """
 
 from __future__ import annotations
@@ -77,8 +83,13 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     rng = random.Random(spec["seed"])
     lengths = [draw_length(rng, spec) for _ in range(spec["samples"])]
     features = [{"input_ids": [rng.randrange(3, 500) for _ in range(n)]} for n in lengths]
+    trl = spec.get("scenario") == "trl-sft"
+    if trl:  # TRL's SFTConfig is a TrainingArguments; TRL's own collator pads each batch to its longest sample
+        from trl import SFTConfig as TrainingArguments
     try:
+        extra = {"max_length": spec["max_len"], "pad_to_multiple_of": spec["trl_multiple"]} if trl else {}
         args = TrainingArguments(
+            **extra,
             output_dir=tempfile.mkdtemp(),
             torch_compile=True,
             bf16=spec["bf16"],
@@ -112,13 +123,27 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     steps = Steps()
     model = tiny.model("llama", max_position_embeddings=spec["max_len"])
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=features,
-        data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
-        callbacks=[steps],
-    )
+    if trl:
+        from datasets import Dataset
+        from peft import LoraConfig
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_list(features),  # pre-tokenized: TRL keeps the lengths drawn here
+            processing_class=tiny.tokenizer(),
+            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+            callbacks=[steps],
+        )
+    else:
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=features,
+            data_collator=DataCollatorForLanguageModeling(tiny.tokenizer(), mlm=False),
+            callbacks=[steps],
+        )
     simulator.reset_stats()
     start = time.perf_counter()
     loss = trainer.train().training_loss
@@ -154,6 +179,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         steady_step_seconds=statistics.median(steady) if steady else None,
         compile_step_seconds=statistics.median(compiling) if compiling else None,
         torch=torch.__version__,
+        pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
     )
     return out
 
@@ -180,12 +206,21 @@ def report(spec: dict[str, Any], results: dict[str, dict[str, Any]], command: st
     import accelerate
     import transformers
 
+    what = "tiny Llama, Trainer + DataCollatorForLanguageModeling"
+    if spec.get("scenario") == "trl-sft":
+        import trl
+
+        multiple = next((r.get("pad_to_multiple_of") for r in results.values() if "steps" in r), None)
+        what = (
+            f"tiny Llama + LoRA (r=8, q/v), TRL {trl.__version__} SFTTrainer and its own collator "
+            f"(pad_to_multiple_of={multiple!r}, asked: {spec.get('trl_multiple')!r})"
+        )
     lines = [
         f"Command: `{command}`",
         "",
         f"transformers {transformers.__version__}, accelerate {accelerate.__version__}; "
-        f"{spec['samples']} samples of {spec['min_len']}-{spec['max_len']} tokens ({spec['dist']}), "
-        f"batch {spec['batch']}, 1 epoch, bf16={spec['bf16']}, tiny Llama, simulated trn2 core.",
+        f"{spec['samples']} samples of {spec['min_len']}-{spec['max_len']} tokens ({spec['dist']}, seed "
+        f"{spec['seed']}), batch {spec['batch']}, 1 epoch, bf16={spec['bf16']}, {what}, simulated trn2 core.",
         "",
         "| run | device / backend | drop_last | steps | distinct batch shapes | Dynamo graphs | Neuron graphs "
         "| lengths compiled | recompile-limit hits | eager signatures | padding overhead | est. Trainium compile "
@@ -242,6 +277,17 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--dist", choices=("uniform", "lognormal"), default="uniform", help="sample lengths")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--scenario",
+        choices=("trainer", "trl-sft"),
+        default="trainer",
+        help="trainer: Trainer + Transformers' collator; trl-sft: TRL's SFTTrainer with a LoRA peft_config",
+    )
+    parser.add_argument(
+        "--trl-pad-to-multiple-of",
+        default="auto",
+        help="trl-sft: SFTConfig.pad_to_multiple_of (TRL 1.16's 'auto' is 128 on Neuron; 'none': each batch's longest)",
+    )
     parser.add_argument("--fp32", action="store_true", help="train in fp32 instead of bf16")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--output", type=Path, help="also write the markdown report here")
@@ -260,6 +306,8 @@ def main() -> None:
         "seed": ns.seed,
         "dist": ns.dist,
         "bf16": not ns.fp32,
+        "scenario": ns.scenario,
+        "trl_multiple": ns.trl_pad_to_multiple_of,
     }
     results = {}
     for name in ns.modes:

@@ -149,7 +149,8 @@ def test_a_launched_run_keeps_accelerates_device() -> None:
 def test_seq2seq_batches_are_padded_to_buckets_without_changing_content() -> None:
     from transformers import DataCollatorForSeq2Seq
 
-    from accelerate_neuron.builtin.training.shapes import ShapePolicy, bucketing_collator
+    from accelerate_neuron.builtin.training.collate import bucketing_collator
+    from accelerate_neuron.builtin.training.shapes import ShapePolicy
 
     tok = tiny.tokenizer()
     stock = DataCollatorForSeq2Seq(tok)
@@ -164,17 +165,23 @@ def test_seq2seq_batches_are_padded_to_buckets_without_changing_content() -> Non
     assert (padded["attention_mask"][:, 9:] == 0).all() and (padded["labels"][:, 11:] == -100).all()
 
 
-def test_collators_that_are_static_or_custom_are_left_alone() -> None:
+def test_static_collators_are_left_alone_and_custom_ones_are_bucketed() -> None:
     from transformers import DataCollatorWithPadding, default_data_collator
 
-    from accelerate_neuron.builtin.training.shapes import ShapePolicy, bucketing_collator
+    from accelerate_neuron.builtin.training.collate import bucketing_collator
+    from accelerate_neuron.builtin.training.shapes import ShapePolicy
 
     tok = tiny.tokenizer()
     policy = ShapePolicy(buckets=(8, 16))
     assert bucketing_collator(DataCollatorWithPadding(tok, padding="max_length", max_length=12), policy) is None
-    assert bucketing_collator(default_data_collator, policy) is None
+    assert bucketing_collator(DataCollatorWithPadding(tok, padding=False), policy) is None
     assert bucketing_collator(DataCollatorWithPadding(tok), ShapePolicy(buckets=())) is None
     assert bucketing_collator(DataCollatorWithPadding(tok), policy) is not None
+    # Any other collator (a function, TRL's) is bucketed: whatever built the batch, its known keys are padded.
+    custom = bucketing_collator(default_data_collator, policy)
+    assert custom is not None
+    batch = custom([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9, 10], "labels": [8, 9, 10]}])
+    assert batch["input_ids"].shape == (2, 8) and batch["labels"][:, 3:].eq(-100).all()
 
 
 def test_bucket_arithmetic() -> None:

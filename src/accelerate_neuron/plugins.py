@@ -35,6 +35,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "training": "accelerate_neuron.builtin.training",
     "launch": "accelerate_neuron.builtin.launch",
     "inference": "accelerate_neuron.builtin.inference",
+    "moe": "accelerate_neuron.builtin.moe",
     "serving": "accelerate_neuron.builtin.serving",
     "warmup": "accelerate_neuron.builtin.warmup",
     "regions": "accelerate_neuron.builtin.regions",

@@ -149,6 +149,15 @@ def parse_level(value: Any) -> str:
     return text.upper()
 
 
+def parse_moe_experts(value: Any) -> str:
+    text = _words(value)
+    if text in OFF_WORDS:
+        return "off"
+    if text not in ("auto", "dense"):
+        raise ValueError("")
+    return text
+
+
 @dataclass(frozen=True)
 class Plugins:
     """``ACCELERATE_NEURON_DISABLE``: every patch off (``all``), or the plugin names to skip."""
@@ -346,6 +355,17 @@ SETTINGS: tuple[Setting, ...] = (
         "graph on one core, and a model split over several cores runs eagerly. `auto`: `layers` for a model split "
         "over several cores, the whole model on one core.",
         "generation",
+    ),
+    Setting(
+        "moe_experts",
+        parse_moe_experts,
+        "auto",
+        "`auto`, `dense` or `off`",
+        "Mixture-of-experts layers on Neuron when the model did not ask for an `experts_implementation`: `auto` "
+        "runs every expert on every token, or gathers each token's experts' weights when that reads fewer "
+        "(small decode batches); `dense` always the former; `off` leaves upstream's default (`grouped_mm`, "
+        "routing-dependent shapes). Both choices are exact and fixed by the call's shape, never by the routing.",
+        "moe",
     ),
     # --- training
     Setting(

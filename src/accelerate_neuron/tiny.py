@@ -20,7 +20,9 @@ CORPUS = (
     "hello world , this is a tiny model that talks about accelerators . "
 )
 
-FAMILIES = ("qwen3", "llama", "gpt2", "t5")
+FAMILIES = ("qwen3", "llama", "gpt2", "t5", "qwen3_moe", "mixtral")
+#: Mixture-of-experts families among :data:`FAMILIES` (4 experts, top-2).
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 #: Encoder families :func:`encoder` builds (bidirectional models with heads for classification, tokens, masks, QA).
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2", "electra", "mpnet", "modernbert")
 
@@ -97,6 +99,40 @@ def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> An
                 "resid_pdrop": 0.0,
                 "embd_pdrop": 0.0,
                 "attn_pdrop": 0.0,
+                **common,
+            },
+        )
+    elif family == "qwen3_moe":
+        cls, kwargs = (
+            transformers.Qwen3MoeConfig,
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "decoder_sparse_step": 1,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": True,
+                **common,
+            },
+        )
+    elif family == "mixtral":
+        cls, kwargs = (
+            transformers.MixtralConfig,
+            {
+                "hidden_size": 64,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "max_position_embeddings": 256,
                 **common,
             },
         )

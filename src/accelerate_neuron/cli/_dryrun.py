@@ -388,6 +388,18 @@ def _cpu_fallbacks(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def host_op_graphs(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Compiled graphs holding ops the Neuron compiler cannot put in a NEFF (each graph record's ``host_ops``)."""
+    ops: Counter[str] = Counter()
+    graphs = 0
+    for record in records:
+        for graph in record.get("stats", {}).get("graphs", []):
+            found = graph.get("host_ops") or []
+            graphs += bool(found)
+            ops.update(found)
+    return {"graphs": graphs, "ops": [{"op": op, "graphs": n} for op, n in sorted(ops.items())]}
+
+
 def _backend(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The backend's own compile figures, summed over the processes that report them."""
     backends = [r.get("backend") or {} for r in records]
@@ -494,6 +506,7 @@ def build_report(
         "d2h_bytes": sum(p["d2h_bytes"] for p in processes),
         "d2d_bytes": sum(p["d2d_bytes"] for p in processes),
         "cpu_fallbacks": _cpu_fallbacks(active),
+        "host_op_graphs": host_op_graphs(active),
         "backend": _backend(active),
         "estimate": estimate,
         "graph_breaks": _graph_breaks(active),

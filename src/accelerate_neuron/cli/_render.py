@@ -180,6 +180,24 @@ def _fallbacks(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _host_op_graphs(report: dict[str, Any]) -> list[str]:
+    held = report.get("host_op_graphs") or {"graphs": 0, "ops": []}
+    if not held["graphs"]:
+        return []
+    lines = _section(
+        f"Compiled graphs holding ops Neuron cannot compile: {held['graphs']} (the real backend fails such a "
+        "graph, or splits it around the op; the simulator ran it whole)"
+    )
+    lines += [f"  {op['op']} in {plural(op['graphs'], 'graph')}" for op in held["ops"]]
+    lines.append(
+        "  MoE experts: leave experts_implementation unset so accelerate-neuron's static one runs "
+        "(ACCELERATE_NEURON_MOE_EXPERTS)."
+        if any("grouped_mm" in op["op"] or op["op"] == "aten::histc" for op in held["ops"])
+        else "  Compute these another way, or keep them out of the compiled code."
+    )
+    return lines
+
+
 def _backend_line(report: dict[str, Any]) -> list[str]:
     backend = report.get("backend") or {}
     parts = []
@@ -242,5 +260,5 @@ def render_dryrun(report: dict[str, Any]) -> str:
         f"Transfers: host->device {size(report['h2d_bytes'])}, device->host {size(report['d2h_bytes'])}, "
         f"device->device {size(report['d2d_bytes'])}"
     )
-    lines += _fallbacks(report) + _causes(report) + _breaks(report) + _estimate(report)
+    lines += _fallbacks(report) + _host_op_graphs(report) + _causes(report) + _breaks(report) + _estimate(report)
     return "\n".join(lines)

@@ -113,6 +113,26 @@ def _has_collectives(gm: torch.fx.GraphModule) -> bool:
     return any("c10d" in str(node.target) for node in gm.graph.nodes if node.op == "call_function")
 
 
+#: Op namespaces the backend lowers itself; an op of any other namespace is a library's custom op.
+_LOWERED_NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+
+
+def _host_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The graph's ops the real compiler could not put in the NEFF: the CPU fallback table's ops (no lowering)
+    and other libraries' custom ops (a Python body, e.g. ``transformers::grouped_mm_fallback``)."""
+    from . import cpu_fallback
+
+    fallback = set(cpu_fallback.ops())
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        name = node.target.name().split(".")[0]  # "aten::histc", "transformers::grouped_mm_fallback"
+        if name in fallback or name.split("::")[0] not in _LOWERED_NAMESPACES:
+            found.add(name)
+    return sorted(found)
+
+
 def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any], options: Mapping[str, Any]) -> Callable:
     def compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record = {
@@ -124,6 +144,7 @@ def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any], option
             "inputs": [_describe(x) for x in example_inputs],
             "num_nodes": sum(1 for _ in gm.graph.nodes),
             "has_collectives": _has_collectives(gm),
+            "host_ops": _host_ops(gm),
         }
         _through_cache(record, gm, example_inputs, options)
         with _lock:

@@ -10,9 +10,10 @@
 - compile settings (:mod:`.compile_config`): ``DynamoBackend.NEURON`` backfilled
   (:mod:`..enum_backfill`), ``dynamic=False`` for the neuron backend in
   Accelerate's ``TorchDynamoPlugin``.
-- static shapes (:mod:`.shapes`): stock collators' batches padded to
-  length buckets (``neuron_training_shape_policy``), wired into the Trainer by
-  :mod:`.trainer`.
+- static shapes (:mod:`.shapes` the policy, :mod:`.collate` the wrapped
+  collate_fn): every dataloader Accelerate prepares on Neuron (the Trainer's,
+  TRL's, a plain loop's) pads its batches to length buckets whatever collator
+  built them (:mod:`.batches`); the Trainer supplies its plan (:mod:`.trainer`).
 - recompile watchdog (:mod:`.watchdog`).
 - exact resume (:mod:`.rng`): ``torch.neuron``'s RNG states saved and restored
   by Trainer checkpoints and by Accelerate's ``save_state`` / ``load_state``.
@@ -34,7 +35,7 @@ from typing import Any
 from ...hookspecs import hookimpl
 from ...patching import Patch
 from ..enum_backfill import dynamo_backend_neuron
-from . import args, checkpoints, compile_config, precision, rng, shapes, trainer
+from . import args, batches, checkpoints, compile_config, precision, rng, shapes, trainer
 
 _ARGS = "transformers.training_args"
 
@@ -107,13 +108,25 @@ def neuron_patches() -> list[Patch]:
             "document covers)",
             params=("mixed_precision", "cpu"),
         ),
-        # --- Trainer: static batch shapes, recompile watchdog
+        # --- static batch shapes: every prepared dataloader (Trainer, TRL, plain loops)
+        Patch(
+            "accelerate.accelerator",
+            "Accelerator.prepare_data_loader",
+            batches.wrap_prepare_data_loader,
+            reason="on Neuron, the batches of every dataloader Accelerate prepares (Trainer's, TRL's, a plain "
+            "loop's) are right-padded to a few length buckets whatever collator built them (train_buckets), so "
+            "training compiles a few graphs, not one per length",
+            lacking="every release",
+            params=("self", "data_loader"),
+        ),
+        # --- Trainer: its plan for those batches, recompile watchdog
         Patch(
             "transformers.trainer",
             "Trainer._get_dataloader",
             trainer.wrap_get_dataloader,
-            reason="on Neuron with torch_compile, stock collators' batches are padded to a few length buckets "
-            "(neuron_training_shape_policy) so training compiles a few graphs, not one per length",
+            reason="on Neuron, the Trainer's dataloaders are padded with its model's maximum length, its tokenizer's "
+            "pad token and a resumed checkpoint's buckets; evaluation keeps its last batch when the plugin turned "
+            "dataloader_drop_last on",
             lacking="every release",
             params=("dataset", "description", "batch_size", "is_training"),
         ),

@@ -1,13 +1,16 @@
-"""Static training shapes without script edits: pad stock collators' batches to length buckets.
+"""Static training shapes without script edits: the length-bucket policy and the padding of one batch.
 
-Every distinct (batch, length) a compiled training step sees is a new Neuron
-compile (minutes each). Stock collators pad each batch to its own longest
-sample, so a run over variable-length text compiles a graph per length. Here
-the batch a stock collator produced is padded further, on the right, to the
-next length of a small bucket set: ``attention_mask`` with 0 and ``labels``
-with -100, so the model never attends to the added positions and the loss
-ignores them (the loss is unchanged; padding on the right keeps every real
-token at its position, which matters for absolute position embeddings).
+Every distinct (batch, length) a training step sees on Neuron is a new compile
+(minutes each; eager mode compiles op by op per shape too). Collators pad each
+batch to its own longest sample, so a run over variable-length text compiles a
+graph per length. A batch is padded further, on the right, to the next length
+of a small bucket set: ``attention_mask`` (and completion/assistant masks) with
+0 and ``labels`` with -100, so the model never attends to the added positions
+and the loss ignores them (the loss is unchanged; padding on the right keeps
+every real token at its position, which matters for absolute position
+embeddings; a causal model's real tokens never see the pad after them).
+Where batches are padded: :mod:`.batches` (every dataloader Accelerate
+prepares on Neuron, the Trainer's included) with :mod:`.collate`.
 
 The buckets come from the ``train_buckets`` setting (:mod:`accelerate_neuron.settings`:
 the environment, then a config file, then the ``neuron_training_shape_policy``
@@ -18,7 +21,7 @@ length); the hook also answers the rest of the policy.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,24 +34,31 @@ MIN_BUCKET = 64
 FALLBACK_MAX_LENGTH = 8192
 _POLICY_KEYS = ("buckets", "pad_to_multiple_of", "drop_last", "pad_values")
 
-#: Pad value of each sequence-shaped batch key; ``"pad"`` means the tokenizer's pad token id.
+#: Pad value of each sequence-shaped batch key; ``"pad"`` means the tokenizer's pad token id. A ``decoder_`` key
+#: pads as its unprefixed name does (``decoder_input_ids`` with the pad token, ``decoder_attention_mask`` 0, ...).
 PAD_VALUES: dict[str, Any] = {
     "input_ids": "pad",
-    "decoder_input_ids": "pad",
     "attention_mask": 0,
-    "decoder_attention_mask": 0,
     "labels": -100,
     "token_type_ids": "pad_type",
     "special_tokens_mask": 1,
     "position_ids": 0,
+    # TRL: which tokens count in a completion-only / assistant-only loss (0: not counted).
+    "completion_mask": 0,
+    "assistant_masks": 0,
 }
+#: Keys of a padding-free batch (sequences flattened into one row, boundaries in ``position_ids``): its length is the
+#: batch's token count and these describe the boundaries, so it is left as it is (TRL's ``pad_to_multiple_of``).
+FLATTENED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
 
-_COLLATOR_NAMES = (
-    "DataCollatorWithPadding",
-    "DataCollatorForSeq2Seq",
-    "DataCollatorForLanguageModeling",
-    "DataCollatorForTokenClassification",
-)
+
+def known_key(key: str) -> str | None:
+    """The :data:`PAD_VALUES` entry that pads ``key`` (``decoder_x`` pads as ``x``), or None."""
+    if key in PAD_VALUES:
+        return key
+    if key.startswith("decoder_") and key[len("decoder_") :] in PAD_VALUES:
+        return key[len("decoder_") :]
+    return None
 
 
 @dataclass(frozen=True)
@@ -165,140 +175,76 @@ def resolve_policy(max_length: int | None) -> ShapePolicy:
     return ShapePolicy(source=source, explicit=chosen is not None, **merged)
 
 
-# ---------------------------------------------------------------- collators
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def _stock_collator_types() -> tuple[type, ...]:
-    try:
-        from transformers import data as hf_data
-    except Exception:
-        return ()
-    return tuple(t for t in (getattr(hf_data.data_collator, n, None) for n in _COLLATOR_NAMES) if isinstance(t, type))
-
-
-def _already_static(collator: Any) -> str | None:
-    """Why the collator's batches need no buckets (None if they do)."""
-    padding = getattr(collator, "padding", True)
-    padding = getattr(padding, "value", padding)
-    if padding in (False, "do_not_pad"):
-        return "it does not pad (padding=False)"
-    if padding == "max_length" and getattr(collator, "max_length", None):
-        return f"it pads to max_length={collator.max_length}"
+def model_max_length(model: Any) -> int | None:
+    """The longest sequence the model's position embeddings allow (None if unbounded/unknown)."""
+    config = getattr(model, "config", None)
+    for name in _POSITION_LIMITS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
     return None
 
 
-def _tokenizer_max_length(tokenizer: Any) -> int | None:
-    value = getattr(tokenizer, "model_max_length", None)
+def tokenizer_max_length(tokenizer: Any) -> int | None:
+    value = getattr(getattr(tokenizer, "tokenizer", tokenizer), "model_max_length", None)
     # Tokenizers without a limit report a huge sentinel (int(1e30)).
     return value if isinstance(value, int) and 0 < value < 1_000_000 else None
 
 
-def collator_max_length(collator: Any, model_max_length: int | None) -> int | None:
-    lengths = [n for n in (model_max_length, _tokenizer_max_length(getattr(collator, "tokenizer", None))) if n]
-    return min(lengths) if lengths else None
-
-
-class BucketingCollator:
-    """Wraps a stock collator: its batches are right-padded to the policy's lengths."""
-
-    def __init__(
-        self, collator: Callable[[list[Any]], Any], policy: ShapePolicy, pad_values: Mapping[str, Any]
-    ) -> None:
-        self.collator = collator
-        self.policy = policy
-        self.pad_values = dict(pad_values)
-        self.multiple = getattr(collator, "pad_to_multiple_of", None)
-
-    def __call__(self, features: list[Any]) -> Any:
-        batch = self.collator(features)
-        try:
-            return pad_batch(batch, self.policy, self.pad_values, self.multiple)
-        except Exception:  # an unpadded batch costs a compile; a crash costs the run
-            if logs.first(("training.pad_failed", type(self.collator).__name__)):
-                logger.warning("accelerate_neuron: could not pad a batch to the length buckets", exc_info=True)
-            return batch
-
-    def __getattr__(self, name: str) -> Any:  # the wrapped collator's attributes (tokenizer, ...)
-        if name == "collator":
-            raise AttributeError(name)
-        return getattr(self.collator, name)
-
-    def __repr__(self) -> str:
-        return f"BucketingCollator({self.collator!r}, buckets={list(self.policy.buckets)})"
-
-
-def pad_values_for(collator: Any, policy: ShapePolicy) -> dict[str, Any]:
-    tokenizer = getattr(collator, "tokenizer", None)
-    pad_id = getattr(tokenizer, "pad_token_id", None)
-    if pad_id is None:
-        config = getattr(getattr(collator, "model", None), "config", None)
-        pad_id = getattr(config, "pad_token_id", None)
-    pad_type = getattr(tokenizer, "pad_token_type_id", 0) or 0
-    values: dict[str, Any] = {}
-    for key, value in PAD_VALUES.items():
-        if value == "pad":
-            value = pad_id if pad_id is not None else 0
-        elif value == "pad_type":
-            value = pad_type
-        values[key] = value
-    values["labels"] = getattr(collator, "label_pad_token_id", -100)
-    values.update(policy.pad_values)
-    return values
-
-
-def bucketing_collator(collator: Any, policy: ShapePolicy) -> BucketingCollator | None:
-    """``collator`` wrapped for ``policy``, or None (not a stock padding collator, or already static)."""
-    if isinstance(collator, BucketingCollator) or not policy.active:
-        return None
-    stock = _stock_collator_types()
-    if not stock or not isinstance(collator, stock):
-        if logs.first(("training.custom_collator", type(collator).__name__)):
-            logger.info(
-                "accelerate_neuron: %s is not a stock padding collator; its batches keep their shapes "
-                "(pad them to a few fixed lengths yourself to avoid Neuron recompiles)",
-                type(collator).__name__,
-            )
-        return None
-    reason = _already_static(collator)
-    if reason is not None:
-        logger.debug("accelerate_neuron: %s left alone: %s", type(collator).__name__, reason)
-        return None
-    return BucketingCollator(collator, policy, pad_values_for(collator, policy))
+def max_length_of(*limits: int | None) -> int | None:
+    """The tightest of the known limits (the model's positions, the tokenizer's maximum), or None."""
+    known = [n for n in limits if n]
+    return min(known) if known else None
 
 
 def pad_batch(batch: Any, policy: ShapePolicy, pad_values: Mapping[str, Any], multiple: int | None = None) -> Any:
-    """Right-pad every known sequence key of ``batch`` (dim 1) to the policy's length, in place."""
+    """Right-pad every known sequence key of ``batch`` (dim 1) to the policy's length, in place.
+
+    All or nothing: a batch with a sequence-shaped key of unknown pad value (one warning naming it), or a
+    padding-free batch, is returned as it is, so every key keeps the length the others have.
+    """
     import torch
     import torch.nn.functional as F
 
-    if not isinstance(batch, Mapping):
+    if not isinstance(batch, Mapping) or any(k in batch for k in FLATTENED_KEYS):
         return batch
     targets: dict[str, int] = {}
     for key, value in batch.items():
-        if key in pad_values and isinstance(value, torch.Tensor) and value.dim() >= 2:
+        if key in pad_values and _sequence_shaped(key, value, torch):
             target = policy.target_length(value.shape[1], multiple)
             if target != value.shape[1]:
                 targets[key] = target
     if not targets:
         return batch
     changed = {batch[k].shape[1] for k in targets}
-    for key, value in batch.items():
-        if key not in pad_values and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] in changed:
-            if logs.first(("training.unknown_key", key)):
-                logger.warning(
-                    "accelerate_neuron: batch key %r has the sequence length but no known pad value, so batches "
-                    "are not padded to length buckets; declare it with a neuron_training_shape_policy hook "
-                    "returning {'pad_values': {%r: <value>}}",
-                    key,
-                    key,
-                )
-            return batch
-    padded = {}
+    unknown = sorted(
+        key
+        for key, value in batch.items()
+        if key not in pad_values and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] in changed
+    )
+    if unknown:
+        if logs.first(("training.unknown_key", tuple(unknown))):
+            logger.warning(
+                "accelerate_neuron: batch key(s) %s have the sequence length but no known pad value, so these "
+                "batches are not padded to length buckets (each new length compiles a new graph); declare them "
+                "with a neuron_training_shape_policy hook returning {'pad_values': {%r: <value>}}",
+                unknown,
+                unknown[0],
+            )
+        return batch
     for key, target in targets.items():
         value = batch[key]
         # F.pad lists (left, right) pairs from the last dimension backwards; only dim 1 grows.
         spec = [0, 0] * (value.dim() - 2) + [0, target - value.shape[1]]
-        padded[key] = F.pad(value, spec, value=pad_values[key])
-    for key, value in padded.items():  # all or nothing: every key keeps the same length
-        batch[key] = value
+        batch[key] = F.pad(value, spec, value=pad_values[key])
     return batch
+
+
+def _sequence_shaped(key: str, value: Any, torch: Any) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return False
+    # Float labels of shape (batch, classes) are multi-label targets, not a sequence.
+    return not (known_key(key) == "labels" and value.is_floating_point())

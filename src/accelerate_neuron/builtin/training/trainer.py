@@ -2,10 +2,12 @@
 
 Two patches, active only when the Trainer compiles on a Neuron device:
 
-- ``Trainer._get_dataloader`` (all of train / eval / test dataloaders): a stock
-  padding collator is wrapped so its batches land on the shape policy's
-  length buckets; evaluation keeps its last, smaller batch when the plugin
-  (not the user) turned ``dataloader_drop_last`` on, so metrics see every sample.
+- ``Trainer._get_dataloader`` (all of train / eval / test dataloaders): the
+  Trainer's plan (its model's maximum length, its tokenizer's pad token, a
+  resumed checkpoint's buckets) for the dataloader Accelerate prepares, whose
+  batches :mod:`.batches` pads to the length buckets whatever the collator;
+  evaluation keeps its last, smaller batch when the plugin (not the user)
+  turned ``dataloader_drop_last`` on, so metrics see every sample.
 - ``Trainer.__init__``: adds a callback that attaches the recompile watchdog
   to the compiled model once training has prepared it.
 - ``Trainer._save_optimizer_and_scheduler`` / ``Trainer._inner_training_loop``:
@@ -22,15 +24,15 @@ import os
 import weakref
 from typing import Any
 
-from ... import device, logs
-from . import shape_state
+from ... import device
+from . import batches, shape_state
 from .args import DROP_LAST_ATTR
-from .shapes import BUCKETS_ENV, ShapePolicy, bucketing_collator, collator_max_length, resolve_policy
+from .collate import Plan, collator_tokenizer, pad_values_for
+from .shapes import ShapePolicy, max_length_of, model_max_length, resolve_policy, tokenizer_max_length
 from .watchdog import RecompileWatchdog
 
 logger = logging.getLogger(__name__)
 
-_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 #: Where a resumed Trainer keeps the policy its checkpoint was trained with.
 RESUMED_ATTR = "_accelerate_neuron_resumed_policy"
 
@@ -43,77 +45,54 @@ def compiles_on_neuron(args: Any) -> bool:
         return False
 
 
-def model_max_length(model: Any) -> int | None:
-    """The longest sequence the model's position embeddings allow (None if unbounded/unknown)."""
-    config = getattr(model, "config", None)
-    for name in _POSITION_LIMITS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def trainer_policy(trainer: Any) -> ShapePolicy:
     resumed = getattr(trainer, "__dict__", {}).get(RESUMED_ATTR)
     if resumed is not None:
         return resumed
-    collator = getattr(trainer, "data_collator", None)
-    return resolve_policy(collator_max_length(collator, model_max_length(getattr(trainer, "model", None))))
+    limit = max_length_of(model_max_length(getattr(trainer, "model", None)), tokenizer_max_length(_tokenizer(trainer)))
+    return resolve_policy(limit)
+
+
+def _tokenizer(trainer: Any) -> Any:
+    return collator_tokenizer(getattr(trainer, "data_collator", None)) or getattr(trainer, "processing_class", None)
+
+
+def _plan(trainer: Any) -> Plan:
+    policy = trainer_policy(trainer)
+    collator = trainer.data_collator
+    tokenizer = _tokenizer(trainer)
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    return Plan(policy, pad_values_for(collator, policy, tokenizer=tokenizer, config=config))
 
 
 def wrap_get_dataloader(original: Any) -> Any:
     signature = inspect.signature(original)
 
     def _get_dataloader(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not compiles_on_neuron(self.args):
+        if not device.is_neuron(getattr(self.args, "device", None)):
             return original(self, *args, **kwargs)
         try:
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
             is_training = bool(bound.arguments.get("is_training", False))
-            collator = self.data_collator
-            wrapped = bucketing_collator(collator, trainer_policy(self))
+            plan = _plan(self)
         except ValueError:
             raise  # a bad policy setting: the message names it
         except Exception:
             logger.warning("accelerate_neuron: batches keep the collator's shapes (shape policy failed)", exc_info=True)
             return original(self, *args, **kwargs)
         keep_eval_tail = not is_training and self.args.dataloader_drop_last and self.args.__dict__.get(DROP_LAST_ATTR)
-        if wrapped is not None:
-            _announce(collator, wrapped.policy)
-            self.data_collator = wrapped
         if keep_eval_tail:
             self.args.dataloader_drop_last = False
         try:
-            return original(self, *args, **kwargs)
+            # Accelerator.prepare_data_loader (.batches) pads the batches with this Trainer's plan.
+            with batches.trainer_plan(plan):
+                return original(self, *args, **kwargs)
         finally:
-            if wrapped is not None:
-                self.data_collator = collator
             if keep_eval_tail:
                 self.args.dataloader_drop_last = True
 
     return _get_dataloader
-
-
-def _announce(collator: Any, policy: ShapePolicy) -> None:
-    targets = []
-    if policy.buckets:
-        targets.append(f"the length buckets {list(policy.buckets)}")
-    if policy.pad_to_multiple_of:
-        beyond = " beyond the last bucket" if policy.buckets else ""
-        targets.append(f"a multiple of {policy.pad_to_multiple_of}{beyond}")
-    logs.once(
-        logger,
-        ("training.buckets", type(collator).__name__, policy.buckets, policy.pad_to_multiple_of),
-        "accelerate_neuron: training compiles on Neuron, so batches from %s are padded on the right to %s "
-        "(%s; attention_mask 0, labels -100: the loss is unchanged), keeping the compiled step to a few shapes. "
-        "Opt out: %s=off, or choose the buckets, e.g. %s=128,256,512.",
-        type(collator).__name__,
-        " and ".join(targets),
-        policy.source,
-        BUCKETS_ENV,
-        BUCKETS_ENV,
-    )
 
 
 def _watchdog_callback(trainer: Any, watchdog: RecompileWatchdog) -> Any:
