@@ -178,6 +178,7 @@ WORKLOAD_CONTEXT = 2048
 WORKLOAD_NEW_TOKENS = 16
 BATCH_CHOICES = (1, 2, 3, 4, 6, 8)
 WORKLOAD_MAX_PROMPT = 1024
+REGIONS_ENV = "ACCELERATE_NEURON_COMPILE_REGIONS"
 
 
 def workload_batches(prompts: int, seed: int, vocab: int) -> list[list[list[int]]]:
@@ -205,10 +206,11 @@ def _left_padded(batch: list[list[int]]) -> dict[str, torch.Tensor]:
 
 
 def _run_workload(model, batches, stock: bool, fresh: bool = True) -> dict:
+    simulator.reset_stats()  # settles the eager ops seen so far into the cache they ran on
     if fresh:  # a new process on a cold NEFF cache: nothing compiled yet
         torch._dynamo.reset()
         neff_cache.use(None)
-    simulator.reset_stats()
+        simulator.reset_stats()
     host_inputs = stock and not transformers.__version__.startswith("4.")  # 4.x refuses host inputs
     outputs = []
     start = time.perf_counter()
@@ -224,16 +226,23 @@ def _run_workload(model, batches, stock: bool, fresh: bool = True) -> dict:
     return {"stats": stats, "seconds": seconds, "outputs": outputs, "host_inputs": host_inputs}
 
 
-def _workload_model(vocab: int):
-    return tiny.model("qwen3", vocab_size=vocab, initializer_range=0.3, max_position_embeddings=WORKLOAD_CONTEXT)
+def _workload_model(vocab: int, layers: int = 2):
+    return tiny.model(
+        "qwen3",
+        vocab_size=vocab,
+        initializer_range=0.3,
+        max_position_embeddings=WORKLOAD_CONTEXT,
+        num_hidden_layers=layers,
+    )
 
 
-def _split_model(vocab: int):
+def _split_model(vocab: int, layers: int = 2):
+    """The workload's model dispatched over two cores: the first half of its layers on core 0, the rest on 1."""
     from accelerate import dispatch_model
 
-    device_map = {"model.embed_tokens": 0, "lm_head": 0, "model.rotary_emb": 0, "model.layers.0": 0}
-    device_map.update({"model.layers.1": 1, "model.norm": 1})
-    return dispatch_model(_workload_model(vocab), device_map)
+    device_map = {"model.embed_tokens": 0, "lm_head": 0, "model.rotary_emb": 0, "model.norm": 1}
+    device_map.update({f"model.layers.{i}": 0 if i < layers // 2 else 1 for i in range(layers)})
+    return dispatch_model(_workload_model(vocab, layers), device_map)
 
 
 def _positions(batches, policy, bucket_rows: bool, bucket_columns: bool) -> int:
@@ -314,12 +323,14 @@ def workload_section(args) -> list[str]:
     runs = {"accelerate-neuron": job(model, stock=False)}
     with activation.unpatched():
         runs["stock + static"] = job(model, stock=True)
-    runs["accelerate-neuron, model split over 2 cores (eager, prompt buckets only)"] = job(split, stock=False)
-    os.environ[shapes.PROMPT_BUCKETS_ENV] = os.environ[shapes.BATCH_BUCKETS_ENV] = "off"
+    os.environ[REGIONS_ENV] = "off"  # these rows are the eager split model (regions: see --only regions)
     try:
+        runs["accelerate-neuron, model split over 2 cores (eager, prompt buckets only)"] = job(split, stock=False)
+        os.environ[shapes.PROMPT_BUCKETS_ENV] = os.environ[shapes.BATCH_BUCKETS_ENV] = "off"
         runs["accelerate-neuron, model split over 2 cores, buckets off"] = job(split, stock=False)
     finally:
-        del os.environ[shapes.PROMPT_BUCKETS_ENV], os.environ[shapes.BATCH_BUCKETS_ENV]
+        for name in (REGIONS_ENV, shapes.PROMPT_BUCKETS_ENV, shapes.BATCH_BUCKETS_ENV):
+            os.environ.pop(name, None)
     reference = runs["stock + static"]
     agreement = _agreement(runs, reference, passes, args.vocab)
     policy = shapes.resolve_policy(WORKLOAD_CONTEXT)
@@ -371,6 +382,68 @@ def workload_section(args) -> list[str]:
     ]
 
 
+def regions_section(args) -> list[str]:
+    """The varied-prompt job on one core and split over two, with and without compiled regions, against stock.
+
+    Each row is one job on its own cold NEFF cache (fresh Dynamo): compiled graphs (NEFF cache misses), graphs
+    loaded from the NEFF cache (a layer graph another layer compiled), eager signatures compiled, the cost
+    model's compile time, CPU wall time. The 4-layer split row shows what depth costs.
+    """
+    passes = [workload_batches(args.prompts, args.seed + k, args.vocab) for k in range(args.passes)]
+
+    def job(target, stock: bool = False, regions: str | None = None) -> list[dict]:
+        if regions is not None:
+            os.environ[REGIONS_ENV] = regions
+        try:
+            return [_run_workload(target, batches, stock=stock, fresh=k == 0) for k, batches in enumerate(passes)]
+        finally:
+            os.environ.pop(REGIONS_ENV, None)
+
+    one = _workload_model(args.vocab).to("neuron")
+    split = _split_model(args.vocab)
+    runs = {}
+    with activation.unpatched():
+        runs["stock + static, 1 core"] = job(one, stock=True)
+        runs["stock + static, split over 2 cores"] = job(split, stock=True)
+    runs["accelerate-neuron, 1 core (auto: whole model)"] = job(one)
+    runs["accelerate-neuron, 1 core, regions=layers"] = job(one, regions="layers")
+    runs["accelerate-neuron, split over 2 cores, regions off (eager)"] = job(split, regions="off")
+    runs["accelerate-neuron, split over 2 cores (auto: layers)"] = job(split)
+    deep = _split_model(args.vocab, layers=4)
+    runs["accelerate-neuron, 4 layers split over 2 cores (auto: layers)"] = job(deep)
+    reference = runs["stock + static, 1 core"]
+    same_weights = {k: v for k, v in runs.items() if not k.startswith("accelerate-neuron, 4 layers")}
+    agreement = _agreement(same_weights, reference, passes, args.vocab)
+    rows = []
+    for name, job_runs in runs.items():
+        graphs = [r["stats"]["compiles"] for r in job_runs]
+        loads = sum(r["stats"]["compile_cache_hits"] for r in job_runs)
+        eager = [r["stats"]["eager_compiles"] for r in job_runs]
+        total = estimate(sum(graphs), sum(eager))
+        rows.append(
+            f"| {name} | {' + '.join(map(str, graphs))} = {sum(graphs)} | {loads} | "
+            f"{' + '.join(map(str, eager))} = {sum(eager)} | {total['seconds'] / 60:.0f} min | "
+            f"{sum(r['seconds'] for r in job_runs):.0f} s |"
+        )
+    everything = [b for batches in passes for b in batches]
+    lengths = sorted(len(p) for b in everything for p in b)
+    return [
+        f"Regional compilation on the varied-prompt job: {args.passes} passes of {args.prompts} prompts (seeds "
+        f"{args.seed}-{args.seed + args.passes - 1}, one job on one NEFF cache, cold at the start), prompt lengths "
+        f"lognormal (median 64, sigma 1, clipped to 8-1,024; min {lengths[0]}, median {lengths[len(lengths) // 2]}, "
+        f"max {lengths[-1]}), batch sizes drawn from {', '.join(map(str, BATCH_CHOICES))}, "
+        f"max_new_tokens={WORKLOAD_NEW_TOKENS}, greedy, tiny Qwen3 (2 layers unless noted, vocab {args.vocab}). "
+        "The split model has half its layers on each core (embeddings and head on core 0, final norm on core 1). "
+        f"{agreement} (The 4-layer model has other weights: it is compared with nothing, it shows graph counts.)",
+        "",
+        "| setting | compiled graphs, per pass | graphs loaded from the NEFF cache | eager signatures compiled, per "
+        "pass | est. compile on Trainium (cost model) | CPU wall (simulator) |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 16, 32])
@@ -378,7 +451,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=48, help="prompts in the workload section")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and batch sizes")
     parser.add_argument("--passes", type=int, default=4, help="workload passes of --prompts new prompts each")
-    parser.add_argument("--only", choices=("workload", "steps"), help="run one section only")
+    parser.add_argument("--only", choices=("workload", "steps", "regions"), help="run one section only")
     parser.add_argument("--output", help="append the markdown section to this file")
     args = parser.parse_args()
     tokens = sorted(args.tokens)
@@ -391,6 +464,10 @@ def main() -> None:
     ]
     if args.only == "workload":
         _emit("\n".join([*header, *workload_section(args)]), args.output)
+        return
+    if args.only == "regions":
+        header[2] = header[2].replace("1 core", "2 cores")
+        _emit("\n".join([*header, *regions_section(args)]), args.output)
         return
 
     tok = tiny.tokenizer()

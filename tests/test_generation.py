@@ -333,7 +333,10 @@ def test_text_generation_pipeline_on_neuron(sim, model, reference, tok):
 
 
 def test_model_split_across_cores_decodes_eagerly_with_flat_shapes(sim, reference, tok, monkeypatch, caplog):
+    """Regions off (compiled per layer by default: test_regions.py): a split model decodes eagerly."""
     from accelerate import dispatch_model
+
+    monkeypatch.setenv("ACCELERATE_NEURON_COMPILE_REGIONS", "off")
 
     device_map = {
         "model.embed_tokens": 0,

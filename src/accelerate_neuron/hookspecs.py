@@ -61,7 +61,11 @@ def neuron_generation_tensor_device(name: str, model_device: torch.device) -> to
 
 @hookspec(firstresult=True)
 def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
-    """Default ``torch.compile`` settings for ``purpose`` (``"generate"``, ``"forward"``, ``"train"`` or ``"serving"``).
+    """Default ``torch.compile`` settings for ``purpose`` (``"generate"``, ``"forward"``, ``"train"``, ``"serving"``
+    or ``"region"``).
+
+    ``"region"``: one decoder layer compiled on its own (a model split over cores, or
+    ``compile_regions=layers``); no answer at all turns regions off.
 
     ``"forward"``: the bucketed inference calls (``model(...)`` without gradients,
     pipelines, sentence-transformers). ``"serving"`` is continuous batching's step

@@ -38,6 +38,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "moe": "accelerate_neuron.builtin.moe",
     "serving": "accelerate_neuron.builtin.serving",
     "warmup": "accelerate_neuron.builtin.warmup",
+    "regions": "accelerate_neuron.builtin.regions",
 }
 
 

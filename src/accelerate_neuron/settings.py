@@ -128,6 +128,17 @@ def parse_size_text(value: Any) -> str:
     return text
 
 
+_REGION_MODES = ("off", "layers", "auto")
+
+
+def parse_regions(value: Any) -> str:
+    """``compile_regions``: ``off``, ``layers`` or ``auto``."""
+    text = _words(value)
+    if text not in _REGION_MODES:
+        raise ValueError("")
+    return text
+
+
 _LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -332,6 +343,18 @@ SETTINGS: tuple[Setting, ...] = (
         "`accelerate_neuron.disable_bucketing(model)` opts one model out.",
         "inference",
         default_text="on",
+    ),
+    Setting(
+        "compile_regions",
+        parse_regions,
+        "auto",
+        "`off`, `layers` or `auto`",
+        "What `generate()` and bucketed inference calls compile. `layers`: each decoder layer (the model's "
+        "repeated block) is its own compiled region, on the core holding its weights, and identical layers share "
+        "one graph per shape; embeddings, mask, final norm and head run eagerly. `off`: the whole model is one "
+        "graph on one core, and a model split over several cores runs eagerly. `auto`: `layers` for a model split "
+        "over several cores, the whole model on one core.",
+        "generation",
     ),
     Setting(
         "moe_experts",

@@ -303,6 +303,24 @@ def _graph_list(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], in
     return list(seen.values()), len(seen)
 
 
+def graphs_by_region(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Graphs per compiled function (a region: a decoder layer's forward, or a whole model) and per core.
+
+    The core is the one device of a graph's inputs (``several`` would be a graph holding two cores' tensors).
+    ``compiled`` and ``loaded`` split the graphs into NEFF cache misses and hits: identical layers compile a
+    shape once and load it everywhere else.
+    """
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for record in records:
+        for g in record.get("stats", {}).get("graphs", []):
+            devices = {i.get("device") for i in g.get("inputs", []) if str(i.get("device", "cpu")) != "cpu"}
+            core = devices.pop() if len(devices) == 1 else ("several" if devices else "host")
+            key = (function_label(g.get("frame")) or "?", str(core))
+            row = rows.setdefault(key, {"function": key[0], "core": key[1], "compiled": 0, "loaded": 0})
+            row["loaded" if g.get("cache") == "hit" else "compiled"] += 1
+    return sorted(rows.values(), key=lambda r: (r["function"], r["core"]))
+
+
 def _short_location(text: str) -> str:
     """``/long/site-packages/accelerate/hooks.py:50: why`` -> ``accelerate/hooks.py:50: why``."""
     match = re.match(r"^(.*?):(\d+): ", text)
@@ -480,6 +498,7 @@ def build_report(
         "compile_cache_hits": sum(p["compile_cache_hits"] for p in processes),
         "compile_cache": _compile_cache(active),
         "distinct_graphs": distinct_graphs,
+        "graphs_by_region": graphs_by_region(active),
         "graphs": graphs[:MAX_GRAPHS_LISTED],
         "graphs_truncated": max(0, len(graphs) - MAX_GRAPHS_LISTED),
         "eager": _eager(active),

@@ -91,6 +91,11 @@ def _graphs(report: dict[str, Any]) -> list[str]:
         lines.append(f"  {g['kind']:<9} frame {g['compile_id']}{where}: {names}{weights}{shared}")
     if report["graphs_truncated"]:
         lines.append(f"  ... {report['graphs_truncated']} more")
+    regions = report.get("graphs_by_region") or []
+    if len(regions) > 1:  # several compiled functions or cores: a model compiled per layer, or split
+        lines.append("  per compiled function and core:")
+        for r in regions:
+            lines.append(f"    {r['function']} on {r['core']}: {r['compiled']} compiled, {r['loaded']} loaded")
     return lines
 
 

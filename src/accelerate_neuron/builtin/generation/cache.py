@@ -23,6 +23,8 @@ import copy
 import logging
 from typing import Any
 
+import torch
+
 from ... import logs, settings
 from ...plugins import call_hook
 from . import shapes
@@ -110,9 +112,26 @@ def initialize_before_compiled_prefill(model: Any, cache: Any, batch_size: Any) 
     if not callable(early) or shape is None:
         return
     try:
-        early(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1], dtype=model.dtype, device=model.device)
+        if split_across_devices(model):
+            _initialize_on_layer_devices(model, layers, batch_size, shape)
+        else:
+            early(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1], dtype=model.dtype, device=model.device)
     except Exception as exc:  # lazy initialisation still works: one more prefill graph at worst
         logger.debug("accelerate_neuron: could not initialise the static cache ahead of the prefill: %s", exc)
+
+
+def _initialize_on_layer_devices(model: Any, cache_layers: Any, batch_size: int, shape: tuple[int, int]) -> None:
+    """Each cache layer on the core of its decoder layer (a model split over cores; what 4.x's lazy init picks)."""
+    from ..regions.layers import blocks
+
+    decoder_layers = blocks(model)
+    if len(decoder_layers) != len(cache_layers):
+        return  # not one cache layer per decoder layer: leave it to the lazy initialisation
+    for cache_layer, decoder_layer in zip(cache_layers, decoder_layers, strict=True):
+        device = next(decoder_layer.parameters()).device
+        # Upstream's own fake tensor (early_initialization): size 0 on the sequence axis, allocates nothing.
+        fake = torch.zeros((batch_size, shape[0], 0, shape[1]), dtype=model.dtype, device=device)
+        cache_layer.lazy_initialization(fake)
 
 
 def _head_shape(model: Any) -> tuple[int, int] | None:
@@ -121,8 +140,6 @@ def _head_shape(model: Any) -> tuple[int, int] | None:
     if callable(own):  # upstream's own answer where it has one (tensor parallel, MLA, ...)
         shape = own()
         return shape if shape is not None and all(isinstance(v, int) for v in shape) else None
-    if split_across_devices(model):  # layers on several cores: each allocates its own, lazily
-        return None
     try:
         config = model.config.get_text_config(decoder=True)
     except Exception:
@@ -214,16 +231,17 @@ def _warn_split_model() -> None:
         "accelerate_neuron: generate() does not auto-compile a model dispatched across several Neuron cores: "
         "its decode step would be one graph holding tensors of several cores, and a NEFF runs on one NeuronCore "
         "(torch-neuronx's support for such graphs is unverified). Decode runs eagerly with a static cache "
-        "instead; pass compile_config=CompileConfig(...) to compile anyway, "
-        "or load the model on one core (device_map={'': 0}) if it fits.",
+        "instead, because %s=off; its default (auto) compiles each decoder layer on its own core.",
+        settings.env_name("compile_regions"),
     )
 
 
-def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_config: Any) -> Any:
+def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_config: Any, regional: bool = False) -> Any:
     """The compile config ``_valid_auto_compile_criteria`` should see for a model on Neuron.
 
     ``None``: leave upstream's decision alone (nothing to compile, or compiling disabled); ``False``: do not
-    compile (a model split across cores); else the caller's config (copied) or Neuron's defaults, with
+    compile (a model split across cores, without regions); ``regional``: the decoder layers are what compiles
+    (:mod:`..regions`), so a split model is fine; else the caller's config (copied) or Neuron's defaults, with
     upstream's own flag that lets 4.x compile on a device other than CUDA.
     """
     if getattr(generation_config, "disable_compile", False):
@@ -233,7 +251,7 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
         # Nothing to compile (e.g. a dynamic cache): adding a config would only make upstream
         # warn that it cannot honour it.
         return None
-    if config is None and split_across_devices(model):
+    if config is None and split_across_devices(model) and not regional:
         _warn_split_model()
         return False
     if config is None:
@@ -249,15 +267,24 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
 GRAPH_ROOM = 256
 
 
-def make_room_for_buckets(why: str = "generate() compiles one graph per prompt/batch/cache bucket") -> None:
-    """Raise Dynamo's recompile limit so the bucketed graphs of one frame never fall back to eager."""
+def make_room_for_buckets(
+    why: str = "generate() compiles one graph per prompt/batch/cache bucket", layers: int = 1
+) -> None:
+    """Raise Dynamo's recompile limits so the bucketed graphs of one frame never fall back to eager.
+
+    ``layers``: how many modules share the frame (decoder layers compiled as regions: Dynamo keeps one entry per
+    layer and shape, since each layer's index is a constant of its graph).
+    """
     import torch._dynamo.config as dynamo_config
 
-    if dynamo_config.recompile_limit < GRAPH_ROOM:
+    room = max(GRAPH_ROOM, layers * 64)
+    if dynamo_config.recompile_limit < room:
         logger.info(
             "accelerate_neuron: torch._dynamo.config.recompile_limit raised from %d to %d: %s in one frame",
             dynamo_config.recompile_limit,
-            GRAPH_ROOM,
+            room,
             why,
         )
-        dynamo_config.recompile_limit = GRAPH_ROOM
+        dynamo_config.recompile_limit = room
+    if getattr(dynamo_config, "accumulated_recompile_limit", room) < room:
+        dynamo_config.accumulated_recompile_limit = room

@@ -41,6 +41,7 @@ import torch
 from ... import device as neuron_device
 from ... import logs
 from .. import scope
+from ..regions import layers as regions
 from . import cache, devices, padding, shapes
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class GenerateCall:
     may_add_rows: bool = False  # every forward runs through the compiled call, where dummy rows are cut
     greedy: bool = False  # ``_sample`` picks the greedy token on the device
     forwards: int = 0  # forward inputs prepared so far (the first is the prefill's)
+    regional: bool = False  # "compiled" means decoder layers compiled one by one (regions), not the whole model
 
     @property
     def padded(self) -> bool:
@@ -92,7 +94,7 @@ class GenerateCall:
         cls, model: Any, dev: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[GenerateCall, tuple[Any, ...], dict[str, Any]]:
         """The call, and ``generate``'s arguments with the growing tensors where the hook wants them."""
-        call = cls(model, dev)
+        call = cls(model, dev, regional=regions.enabled(model))
         if _assisted(model, kwargs):
             # Assisted decoding moves candidate ids to model.device and compares them with ids on the
             # sequence's device (upstream, every release): its sequence stays where the caller put it.
@@ -164,7 +166,9 @@ class GenerateCall:
         Upstream's own test (``_valid_auto_compile_criteria``) needs the cache, which is not built yet; these
         are its conditions for a static cache. :meth:`rows_confirmed` checks the answer once the cache exists.
         """
-        if getattr(generation_config, "disable_compile", False) or devices.split_across_devices(self.model):
+        if getattr(generation_config, "disable_compile", False):
+            return False
+        if devices.split_across_devices(self.model) and not self.regional:
             return False
         quantizer = getattr(self.model, "hf_quantizer", None)
         if quantizer is not None and not getattr(quantizer, "is_compileable", False):
@@ -257,9 +261,19 @@ class GenerateCall:
         self.greedy = target is not None and target.type == neuron_device.DEVICE_TYPE
         return self.greedy
 
+    def regional_call(self) -> Callable[..., Any]:
+        """What "compiled" means with regions: the model's own call, its decoder layers compiled one by one."""
+        model = self.model
+
+        def call_with_compiled_layers(*args: Any, **kwargs: Any) -> Any:
+            with regions.compiled_layers(model):
+                return model(*args, **kwargs)
+
+        return call_with_compiled_layers
+
     def compiled(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """Upstream's compiled forward, followed by the greedy pick on the device or the dummy rows' cut."""
-        if self.padded:
+        if self.padded and not self.regional:
             cache.make_room_for_buckets()
         greedy = self.greedy
         if not greedy and not self.dummy:

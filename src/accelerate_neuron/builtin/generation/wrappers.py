@@ -162,7 +162,9 @@ def wrap_auto_compile(original: Callable[..., Any]) -> Callable[..., Any]:
     def valid(self: Any, model_kwargs: dict[str, Any], generation_config: Any) -> bool:
         if devices.model_device(self) is None:
             return original(self, model_kwargs, generation_config)
-        config = cache.compile_config_for(self, model_kwargs, generation_config)
+        call = current(self)
+        regional = call is not None and call.regional
+        config = cache.compile_config_for(self, model_kwargs, generation_config, regional=regional)
         if config is False:
             return False
         if config is not None:
@@ -199,9 +201,11 @@ def wrap_get_compiled_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def get_compiled_call(self: Any, compile_config: Any) -> Callable[..., Any]:
-        compiled = original(self, compile_config)
         call = current(self)
-        return compiled if call is None else call.compiled(compiled)
+        if call is None:
+            return original(self, compile_config)
+        # With regions, the model's call itself runs, its layers compiled (a whole-model graph is never built).
+        return call.compiled(call.regional_call() if call.regional else original(self, compile_config))
 
     return get_compiled_call
 

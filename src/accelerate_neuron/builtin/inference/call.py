@@ -12,8 +12,9 @@ compiles, on Neuron. A :class:`ForwardCall` instead
    rows (copies of row 0) up to a batch bucket, on the host, then moves them to
    the model's core: no device op depends on the real length;
 3. runs the forward compiled with the ``neuron_compile_config("forward")``
-   settings (one graph per length bucket x batch bucket), or eagerly for a model
-   split over several cores (still at the bucketed shapes);
+   settings (one graph per length bucket x batch bucket), or, for a model split
+   over several cores (or with ``compile_regions=layers``), with each decoder
+   layer compiled on its own core (:mod:`..regions`; eager without regions);
 4. cuts every output back to the caller's rows and length (:mod:`.outputs`).
 
 Padding on the right keeps every real token at its position, and the attention
@@ -26,6 +27,7 @@ hook); ``bucket_forwards`` turns this off for the process, and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -44,6 +46,7 @@ from ...plugins import call_hook
 from .. import scope
 from ..generation import shapes
 from ..generation.cache import make_room_for_buckets
+from ..regions import layers as regions
 from .outputs import Cut, Unplaced
 
 logger = logging.getLogger(__name__)
@@ -92,6 +95,7 @@ class ForwardCall:
     rows: int
     length: int
     compiled: bool = True  # False for a model split over several cores (a NEFF runs on one core)
+    regional: bool = False  # its decoder layers are compiled one by one instead (the regions plugin)
     padded_rows: int = 0
     padded_length: int = 0
 
@@ -128,7 +132,16 @@ class ForwardCall:
             _skip(model, "a sequence classifier that finds each row's last token by the pad token, and no pad_token_id")
             return None
         split = len({p.device for p in model.parameters()}) > 1
-        return cls(model, dev, dict(inputs), rows=int(ids.shape[0]), length=int(ids.shape[1]), compiled=not split)
+        regional = regions.enabled(model)
+        return cls(
+            model,
+            dev,
+            dict(inputs),
+            rows=int(ids.shape[0]),
+            length=int(ids.shape[1]),
+            compiled=not split and not regional,
+            regional=regional,
+        )
 
     # ------------------------------------------------------------------ padding
 
@@ -184,7 +197,7 @@ class ForwardCall:
     def run(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``call`` (the model's own ``__call__``, bound) on the padded inputs, compiled unless split; cut back."""
         forward = compiled_call(self.model, call) if self.compiled else call
-        with scope.owned_by(self):
+        with scope.owned_by(self), regions.compiled_layers(self.model) if self.regional else contextlib.nullcontext():
             outputs = forward(*args, **kwargs)
         return Cut(self.rows, self.length, self.padded_rows, self.padded_length)(outputs)
 
@@ -272,7 +285,7 @@ def bucketed(
         return False, None
     try:
         padded = call.pad()
-        if not call.changes_shapes and not call.compiled:
+        if not call.changes_shapes and not call.compiled and not call.regional:
             return False, None
         outputs = run(call, padded)
     except Unplaced as exc:
