@@ -281,12 +281,10 @@ def test_trl_packed_and_padding_free_batches_keep_their_shapes(
     assert all(b["position_ids"].shape == b["input_ids"].shape == b["labels"].shape for b in batches)
 
 
-def test_trl_dpo_batches_are_bucketed(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DPO stacks chosen and rejected rows, right-padded, with a completion mask: all known keys, padded exactly."""
+def _dpo_trainer(tmp_path: Any) -> Any:
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "32,64,128")
     rows = [
         {"prompt": r["prompt"], "chosen": r["completion"], "rejected": s["completion"]}
         for r, s in zip(_prompt_completion_rows(8, seed=4), _prompt_completion_rows(8, seed=5), strict=True)
@@ -294,20 +292,33 @@ def test_trl_dpo_batches_are_bucketed(tmp_path: Any, monkeypatch: pytest.MonkeyP
     args = DPOConfig(
         output_dir=str(tmp_path / "dpo"),
         per_device_train_batch_size=BATCH,
+        max_steps=2,
         report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
         seed=0,
         max_length=128,
         pad_to_multiple_of=None,
         torch_compile=True,
     )
-    model = tiny.model("llama")
-    trainer = DPOTrainer(
-        model=model,
+    return DPOTrainer(
+        model=tiny.model("llama"),
         ref_model=tiny.model("llama"),
         args=args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tiny.tokenizer(),
     )
+
+
+def test_trl_dpo_batches_are_bucketed_and_the_loss_is_exact(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DPO stacks chosen and rejected rows, right-padded, with a completion mask: all known keys, padded exactly,
+    and the preference loss is the unpadded run's."""
+    monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "off")
+    torch._dynamo.reset()
+    off = _dpo_trainer(tmp_path).train().training_loss
+    monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "32,64,128")
+    torch._dynamo.reset()
+    trainer = _dpo_trainer(tmp_path)
     recorder = _Recorder(trainer.data_collator)
     trainer.data_collator = recorder
     batches = list(trainer.get_train_dataloader())
@@ -319,3 +330,5 @@ def test_trl_dpo_batches_are_bucketed(tmp_path: Any, monkeypatch: pytest.MonkeyP
         assert b["attention_mask"].shape == b["completion_mask"].shape == b["input_ids"].shape
         real = b["attention_mask"].sum(dim=1)
         assert all(b["completion_mask"][row, int(n) :].eq(0).all() for row, n in enumerate(real))
+    # Padded chosen/rejected log-probabilities sum over the completion mask only: the loss is the unpadded one's.
+    assert trainer.train().training_loss == pytest.approx(off, rel=1e-5)
