@@ -1,0 +1,105 @@
+"""Every model family users run, on Neuron: stock `from_pretrained(device_map="auto")` + greedy `generate()` give the
+CPU's tokens with every weight on the Neuron core.
+
+Tiny random models (hidden 64, 2 layers, float32) built from each family's config; the families of
+:data:`accelerate_neuron.tiny.FAMILIES` come from there, the others from the table below. A family added to
+Transformers is not picked up by itself: add it here with its config's own size names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from accelerate_neuron import tiny
+
+_DECODER = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+_IDS = {"vocab_size": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+#: model_type -> config keyword arguments, for the families :mod:`accelerate_neuron.tiny` does not build.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "mistral": {**_DECODER, "sliding_window": None},
+    "qwen2": _DECODER,
+    "gemma2": {**_DECODER, "head_dim": 16, "query_pre_attn_scalar": 16},
+    "gemma3_text": {**_DECODER, "head_dim": 16, "query_pre_attn_scalar": 16},
+    "phi3": {**_DECODER, "original_max_position_embeddings": 256},
+    "granite": _DECODER,
+    "olmo2": _DECODER,
+    "gpt_neox": {k: v for k, v in _DECODER.items() if k != "num_key_value_heads"},
+    "opt": {
+        "hidden_size": 64,
+        "ffn_dim": 128,
+        "word_embed_proj_dim": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 256,
+    },
+    "bart": {
+        "d_model": 64,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 128,
+        "decoder_ffn_dim": 128,
+        "max_position_embeddings": 256,
+        "decoder_start_token_id": 2,
+        "forced_eos_token_id": None,
+    },
+}
+ENCODER_DECODER = {"t5", "bart"}
+FAMILIES = sorted({*tiny.FAMILIES, *CONFIGS})
+
+
+def _save(root: Path, family: str) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    folder = root / family
+    if family in tiny.FAMILIES:
+        return tiny.save_pretrained(folder, family, initializer_range=0.3)
+    config = AutoConfig.for_model(family, initializer_range=0.3, **_IDS, **CONFIGS[family])
+    auto = AutoModelForSeq2SeqLM if family in ENCODER_DECODER else AutoModelForCausalLM
+    torch.manual_seed(0)
+    auto.from_config(config).eval().save_pretrained(folder)
+    return folder
+
+
+def _greedy(folder: Path, family: str, **load: Any) -> tuple[list[list[int]], set[str]]:
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if family in ENCODER_DECODER else AutoModelForCausalLM
+    model = auto.from_pretrained(folder, **load).eval()
+    ids = torch.tensor([[1, 5, 17, 42, 7, 99, 3, 8], [1, 0, 0, 12, 44, 9, 61, 30]])
+    mask = torch.tensor([[1] * 8, [1, 0, 0, 1, 1, 1, 1, 1]])
+    if family not in ENCODER_DECODER:  # a decoder-only batch is left-padded, as its tokenizer would
+        ids, mask = ids[:, [1, 2, 0, 3, 4, 5, 6, 7]], mask[:, [1, 2, 0, 3, 4, 5, 6, 7]]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out.cpu().tolist(), {p.device.type for p in model.parameters()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_on_neuron_gives_the_cpus_tokens(tmp_path: Path, family: str) -> None:
+    folder = _save(tmp_path, family)
+    expected, cpu_devices = _greedy(folder, family)
+    assert cpu_devices == {"cpu"}
+    tokens, devices = _greedy(folder, family, device_map="auto")
+    assert devices == {"neuron"}, f"{family}: weights on {devices}"
+    assert tokens == expected, family
+    torch._dynamo.reset()
