@@ -27,6 +27,7 @@ import torch
 
 from ... import logs, settings
 from ...plugins import call_hook
+from ..compile_options import compile_options
 from . import shapes
 from .devices import split_across_devices
 
@@ -198,23 +199,12 @@ def choose_static_cache(model: Any, generation_config: Any, model_kwargs: dict[s
 
 # --- compiled decode ------------------------------------------------------------------------------
 
-_COMPILE_KEYS = ("backend", "dynamic", "fullgraph", "mode", "options")
-
 
 def default_compile_config(purpose: str = "generate") -> Any:
     """``CompileConfig`` from the ``neuron_compile_config`` hook's answer for ``purpose``."""
     from transformers.generation.configuration_utils import CompileConfig
 
-    settings = call_hook("neuron_compile_config", purpose=purpose) or {}
-    unknown = sorted(set(settings) - set(_COMPILE_KEYS))
-    if unknown:
-        raise ValueError(
-            f"neuron_compile_config returned unknown key(s) {unknown} for {purpose!r}; allowed: {list(_COMPILE_KEYS)}"
-        )
-    values = {k: v for k, v in settings.items() if v is not None or k == "dynamic"}
-    # torch.compile forwards any mode but "default" to a non-inductor backend as a kwarg.
-    values.setdefault("mode", "default")
-    return CompileConfig(**values)
+    return CompileConfig(**compile_options(call_hook("neuron_compile_config", purpose=purpose) or {}, purpose))
 
 
 def _compileable_cache(model_kwargs: dict[str, Any]) -> bool:

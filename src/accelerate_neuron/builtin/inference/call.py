@@ -44,6 +44,7 @@ from ... import device as neuron_device
 from ... import logs, settings
 from ...plugins import call_hook
 from .. import scope
+from ..compile_options import compile_options
 from ..generation import shapes
 from ..generation.cache import make_room_for_buckets
 from ..regions import layers as regions
@@ -246,20 +247,9 @@ def finds_last_token_by_pad(cls: type) -> bool:
         return True  # cannot tell: treat it as one (then it is bucketed only with a pad_token_id)
 
 
-_COMPILE_KEYS = ("backend", "dynamic", "fullgraph", "mode", "options")
-
-
 def compile_settings() -> dict[str, Any]:
     """``torch.compile`` keyword arguments from the ``neuron_compile_config(purpose="forward")`` hook."""
-    answer = call_hook("neuron_compile_config", purpose="forward") or {}
-    unknown = sorted(set(answer) - set(_COMPILE_KEYS))
-    if unknown:
-        raise ValueError(
-            f"neuron_compile_config returned unknown key(s) {unknown} for 'forward'; allowed: {list(_COMPILE_KEYS)}"
-        )
-    values = {k: v for k, v in answer.items() if v is not None or k == "dynamic"}
-    values.setdefault("mode", "default")  # torch.compile passes any other mode to a non-inductor backend
-    return values
+    return compile_options(call_hook("neuron_compile_config", purpose="forward") or {}, "forward")
 
 
 # ------------------------------------------------------------------ the entry points

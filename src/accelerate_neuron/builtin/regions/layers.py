@@ -28,13 +28,12 @@ import torch
 from ... import device as neuron_device
 from ... import logs, settings
 from ...plugins import call_hook
+from ..compile_options import compile_options
 
 logger = logging.getLogger(__name__)
 
 #: Set on a layer's installed forward, so a second call on the same model shares it.
 _REGION_FLAG = "_accelerate_neuron_region"
-_COMPILE_KEYS = ("backend", "dynamic", "fullgraph", "mode", "options")
-
 _lock = threading.Lock()
 #: One compiled function per plain function (a layer class's ``forward``): identical layers share it.
 _compiled: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]] = weakref.WeakKeyDictionary()
@@ -43,16 +42,7 @@ _compiled: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]] = w
 def compile_settings() -> dict[str, Any] | None:
     """``torch.compile`` keyword arguments from ``neuron_compile_config(purpose="region")``; None: no answer."""
     answer = call_hook("neuron_compile_config", purpose="region")
-    if answer is None:
-        return None
-    unknown = sorted(set(answer) - set(_COMPILE_KEYS))
-    if unknown:
-        raise ValueError(
-            f"neuron_compile_config returned unknown key(s) {unknown} for 'region'; allowed: {list(_COMPILE_KEYS)}"
-        )
-    values = {k: v for k, v in answer.items() if v is not None or k == "dynamic"}
-    values.setdefault("mode", "default")  # torch.compile passes any other mode to a non-inductor backend
-    return values
+    return None if answer is None else compile_options(answer, "region")
 
 
 def neuron_cores(model: Any) -> set[str]:
