@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .. import overrides
 from . import cache, devices, padding
 from .call import GenerateCall, current
 from .concurrency import one_call_at_a_time
@@ -65,36 +66,25 @@ def forward_inputs_on(model: Any, dev: Any) -> Iterator[None]:
     afterwards. Nested or concurrent ``generate`` calls on one model share it;
     each forward asks the call of its own context.
     """
+
+    def build(inner: Any) -> Any:
+        # Upstream reads this method's signature (accepted kwargs, inputs_embeds support): keep the inner one.
+        @functools.wraps(inner)
+        def mover(*args: Any, **kwargs: Any) -> Any:
+            call = current(model)
+            if call is not None:
+                args, kwargs = call.forward_inputs(args, kwargs)
+            return devices.move(inner(*args, **kwargs), dev)
+
+        return mover
+
     with _lock:
-        existing = model.__dict__.get(_INSTANCE_ATTR)
-        if getattr(existing, _MOVER_FLAG, False):
-            mover = existing
-            mover.users += 1
-        else:
-            inner = getattr(model, _INSTANCE_ATTR)
-
-            # Upstream reads this method's signature (accepted kwargs, inputs_embeds support): keep the inner one.
-            @functools.wraps(inner)
-            def mover(*args: Any, **kwargs: Any) -> Any:
-                call = current(model)
-                if call is not None:
-                    args, kwargs = call.forward_inputs(args, kwargs)
-                return devices.move(inner(*args, **kwargs), dev)
-
-            setattr(mover, _MOVER_FLAG, True)
-            mover.users = 1
-            mover.previous = existing
-            object.__setattr__(model, _INSTANCE_ATTR, mover)
+        mover = overrides.install(model, _INSTANCE_ATTR, _MOVER_FLAG, build)
     try:
         yield
     finally:
         with _lock:
-            mover.users -= 1
-            if mover.users == 0 and model.__dict__.get(_INSTANCE_ATTR) is mover:
-                if mover.previous is None:
-                    del model.__dict__[_INSTANCE_ATTR]
-                else:
-                    object.__setattr__(model, _INSTANCE_ATTR, mover.previous)
+            overrides.uninstall(model, _INSTANCE_ATTR, mover)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ forward, so nothing is compiled twice) and without gradients.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -28,6 +29,7 @@ import torch
 from ... import device as neuron_device
 from ... import logs, settings
 from ...plugins import call_hook
+from .. import overrides
 from ..compile_options import compile_options
 
 logger = logging.getLogger(__name__)
@@ -126,9 +128,6 @@ def _region_forward(layer: torch.nn.Module, inner: Callable[..., Any], options: 
             return inner(*args, **kwargs)  # traced by a whole-model graph, or training: the plain layer
         return run(*args, **kwargs)
 
-    setattr(region, _REGION_FLAG, True)
-    region.users = 0
-    region.inner = inner
     return region
 
 
@@ -152,27 +151,15 @@ def compiled_layers(model: Any) -> Iterator[list[torch.nn.Module]]:
     with _lock:
         for layer in layers:
             attr = _attribute(layer)
-            current = layer.__dict__.get(attr)
-            if getattr(current, _REGION_FLAG, False):
-                region = current
-            else:
-                region = _region_forward(layer, getattr(layer, attr), options)
-                region.previous = current  # None: the class's forward (no instance attribute)
-                object.__setattr__(layer, attr, region)
-            region.users += 1
-            installed.append((layer, attr, region))
+            build = functools.partial(_region_forward, layer, options=options)
+            installed.append((layer, attr, overrides.install(layer, attr, _REGION_FLAG, build)))
     _announce(model, layers)
     try:
         yield layers
     finally:
         with _lock:
             for layer, attr, region in installed:
-                region.users -= 1
-                if region.users == 0 and layer.__dict__.get(attr) is region:
-                    if region.previous is None:
-                        del layer.__dict__[attr]
-                    else:
-                        object.__setattr__(layer, attr, region.previous)
+                overrides.uninstall(layer, attr, region)
 
 
 def _announce(model: Any, layers: list[torch.nn.Module]) -> None:
