@@ -16,14 +16,7 @@ import torch
 
 from accelerate_neuron import tiny
 
-_DECODER = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
+_DECODER = tiny.DECODER_SIZES
 _IDS = {"vocab_size": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 #: model_type -> config keyword arguments, for the families :mod:`accelerate_neuron.tiny` does not build.

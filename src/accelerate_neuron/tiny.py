@@ -27,6 +27,17 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "deberta-v2", "electra", "mpnet", "modernbert")
 
 
+#: The sizes every tiny decoder-only model shares (a family's config may override or add to them).
+DECODER_SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+
+
 def tokenizer(vocab_size: int = 384) -> Any:
     """A small byte-level BPE fast tokenizer trained on :data:`CORPUS` (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -64,13 +75,8 @@ def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> An
         cls, kwargs = (
             transformers.Qwen3Config,
             {
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
+                **DECODER_SIZES,
                 "head_dim": 16,
-                "max_position_embeddings": 256,
                 "tie_word_embeddings": True,
                 **common,
             },
@@ -79,12 +85,7 @@ def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> An
         cls, kwargs = (
             transformers.LlamaConfig,
             {
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "max_position_embeddings": 256,
+                **DECODER_SIZES,
                 **common,
             },
         )
@@ -106,17 +107,12 @@ def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> An
         cls, kwargs = (
             transformers.Qwen3MoeConfig,
             {
-                "hidden_size": 64,
-                "intermediate_size": 128,
+                **DECODER_SIZES,
                 "moe_intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
                 "head_dim": 16,
                 "num_experts": 4,
                 "num_experts_per_tok": 2,
                 "decoder_sparse_step": 1,
-                "max_position_embeddings": 256,
                 "tie_word_embeddings": True,
                 **common,
             },
@@ -125,14 +121,10 @@ def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> An
         cls, kwargs = (
             transformers.MixtralConfig,
             {
-                "hidden_size": 64,
+                **DECODER_SIZES,
                 "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
                 "num_local_experts": 4,
                 "num_experts_per_tok": 2,
-                "max_position_embeddings": 256,
                 **common,
             },
         )
