@@ -10,10 +10,9 @@ single-process reference.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
 
+import _rank_report
 import torch
 import transformers
 from torch.distributed.tensor import DTensor
@@ -66,26 +65,8 @@ def main() -> None:
     model_dir, out_dir, tp, fsdp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     model = load(model_dir, tp, fsdp)
     report = step(model)
-
-    from accelerate_neuron import simulator
-
-    stats = simulator.stats()
-    rank = int(os.environ.get("RANK", 0))
-    report.update(
-        rank=rank,
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        physical_core=stats["visible_cores"][torch.device(report["device"]).index or 0],
-        visible_cores=stats["visible_cores"],
-        dtensor_params=sum(isinstance(p, DTensor) for p in model.parameters()),
-        world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
-        visible_cores_env=os.environ.get("NEURON_RT_VISIBLE_CORES"),
-    )
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    report["dtensor_params"] = sum(isinstance(p, DTensor) for p in model.parameters())
+    _rank_report.finish(out_dir, report)
 
 
 if __name__ == "__main__":

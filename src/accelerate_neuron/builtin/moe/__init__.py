@@ -11,7 +11,8 @@ compiler has no lowering for). Off Neuron it is ``grouped_mm`` itself. A user's
 
 Transformers 4.57 loops over experts in Python inside each model's sparse MoE block
 (:mod:`.legacy`). The router's auxiliary loss counts experts without an integer
-``histc`` on Neuron (:mod:`.aux_loss`).
+``histc`` on Neuron (:mod:`.aux_loss`). Expert parallelism trains through the all-reduce
+exchange where the EP group shares its batch (:mod:`.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from ...hookspecs import hookimpl
 from ...patching import Patch
-from . import aux_loss, experts, legacy
+from . import aux_loss, expert_parallel, experts, legacy
 
 _WHY = (
     "experts on Neuron with shapes fixed by the token count (dense experts, or gathered weights for small "
@@ -74,4 +75,5 @@ def neuron_patches() -> list[Patch]:
         ),
         *legacy.patches(_WHY),
         *aux_loss.patches(),
+        *expert_parallel.patches(),
     ]
