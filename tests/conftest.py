@@ -36,6 +36,14 @@ from accelerate_neuron import activation, logs, simulator
 from accelerate_neuron.simulator import neff_cache
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist each worker is one of N processes on N cores: torch's intra-op threads would only
+    # oversubscribe them (the tiny models gain nothing from threads); the children tests start inherit it.
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     import accelerate
     import transformers

@@ -104,7 +104,7 @@ def test_encoder_heads_run_bucketed_and_equal_the_cpu(sim: Any, family: str) -> 
             dev(**{k: v.to("neuron") for k, v in batch(2, 3, seed=99).items()})
         simulator.reset_stats()
         seen = {}
-        for step, length in enumerate((5, 11, 17, 30, 40, 52, 63)):  # buckets 32 and 64
+        for step, length in enumerate((5, 17, 30, 40, 63)):  # buckets 32 and 64, two new lengths in each
             inputs = batch(2, length, seed=step, right=2)
             with torch.no_grad():
                 got = dev(**{k: v.to("neuron") for k, v in inputs.items()})

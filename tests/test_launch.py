@@ -316,6 +316,7 @@ def test_torchrun_four_processes(tmp_path: Path, tiny_model_dir: Path, single_pr
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_a_rank_that_dies_ends_the_job_with_an_error_not_a_hang(tmp_path: Path) -> None:
     """Rank 1 exits mid-job without a word; rank 0 is waiting in the gradient all-reduce. The launcher
     must notice, stop rank 0 and exit non-zero, naming the rank, within a bounded time."""
@@ -340,6 +341,7 @@ def test_a_rank_that_dies_ends_the_job_with_an_error_not_a_hang(tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_without_a_launcher_the_surviving_rank_raises_when_its_peer_dies(tmp_path: Path) -> None:
     """Ranks started by hand (a scheduler's srun/mpirun, no torch elastic agent to stop the others): the
     survivor's all-reduce fails within seconds with the collective's error, it does not wait for a timeout.

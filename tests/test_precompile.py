@@ -127,6 +127,7 @@ def _assert_the_real_launch_compiles_nothing(cache: str, warm: dict, *launch: st
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_torchrun_precompiled_then_launched_compiles_nothing(tmp_path: Path) -> None:
     """The counterpart of neuron_parallel_compile: every rank of a DDP Trainer job warms the shapes of its own
     data shard (the ranks step together: a step all-reduces); one worker by default."""
@@ -142,6 +143,7 @@ def test_torchrun_precompiled_then_launched_compiles_nothing(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_two_accelerate_launches_precompile_at_once_on_their_own_cores_and_ports(tmp_path: Path) -> None:
     """--jobs 2 with `accelerate launch` (2 processes each): two launches at once, each on half of the 4 cores and
     its own port, each warming every other shape; then the real launch compiles nothing."""
