@@ -184,6 +184,7 @@ print(json.dumps(backend_metrics.cache_counters()))
 """
 
 
+@pytest.mark.one_pair
 def test_a_warm_neff_cache_shows_as_persistent_hits_in_a_new_process() -> None:
     shared = clean_env()["TORCH_NEURONX_NEFF_CACHE_DIR"]  # one empty cache folder for both runs
     runs = [
@@ -245,6 +246,7 @@ def _simulate(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.one_pair
 def test_the_dry_run_report_names_the_ops_that_ran_on_the_cpu(tmp_path: Path) -> None:
     script = tmp_path / "fallbacks.py"
     script.write_text(textwrap.dedent(FALLBACK_SCRIPT))

@@ -269,6 +269,7 @@ GENERATE_SCRIPT = """
 """
 
 
+@pytest.mark.one_pair
 def test_simulate_does_not_change_what_the_script_compiles(tmp_path: Path) -> None:
     # The dry run's model tracking hooks run inside traced code; they must not break graphs.
     from accelerate_neuron import tiny
@@ -588,6 +589,7 @@ def test_precompile_progress_bar_is_huggingface_hubs_and_honours_its_switch() ->
         enable_progress_bars()
 
 
+@pytest.mark.one_pair
 def test_demo_on_a_whole_chip_keeps_a_small_model_on_one_core_unless_asked_to_spread() -> None:
     auto = cli("demo", "--cores", "4", "--max-new-tokens", "4")
     assert auto.returncode == 0, auto.stdout + auto.stderr

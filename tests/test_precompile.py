@@ -57,6 +57,7 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tiny.save_pretrained(tmp_path_factory.mktemp("model") / "tiny-qwen3", "qwen3"))
 
 
+@pytest.mark.one_pair
 def test_generate_precompiled_then_run_compiles_nothing(qwen: str) -> None:
     cache = fresh_neff_cache_dir()
     script = ["python", str(SCRIPTS / "precompile_generate.py"), qwen]
@@ -78,6 +79,7 @@ def test_generate_precompiled_then_run_compiles_nothing(qwen: str) -> None:
     assert again["shapes"] == two["shapes"]
 
 
+@pytest.mark.one_pair
 def test_training_precompiled_then_run_compiles_no_graph_and_writes_nothing(tmp_path: Path) -> None:
     cache = fresh_neff_cache_dir()
     out = tmp_path / "out"
@@ -95,6 +97,7 @@ def test_training_precompiled_then_run_compiles_no_graph_and_writes_nothing(tmp_
     assert real["eager_compiles"] <= 1, real
 
 
+@pytest.mark.one_pair
 def test_a_failing_script_fails_precompile_with_its_output(qwen: str) -> None:
     proc = run(
         ["precompile", "--jobs", "1", "--", "python", str(SCRIPTS / "precompile_generate.py"), qwen, "--fail"],
@@ -259,6 +262,7 @@ def test_python_api_for_a_trainer_keeps_weights_and_output_folder(tmp_path: Path
     json.dumps(report)
 
 
+@pytest.mark.one_pair
 def test_inference_calls_precompiled_then_run_compiles_nothing(tmp_path: Path) -> None:
     encoder = tiny.save_encoder(tmp_path / "encoder", "bert", "AutoModel")
     classifier = tiny.save_encoder(tmp_path / "classifier", "bert", "AutoModelForSequenceClassification", num_labels=2)
