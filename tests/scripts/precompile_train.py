@@ -2,7 +2,7 @@
 
     python precompile_train.py OUTPUT_DIR
 
-Samples of 8 to 150 tokens: the plugin pads batches to the length buckets 64, 128, 256. Prints one
+Samples of 8 to 150 tokens: the plugin pads batches to the length buckets 64, 128, 256. Each rank prints one
 JSON line with the simulator's counts, the graphs' cache keys, the loss and the weights' checksum.
 """
 
@@ -12,6 +12,7 @@ import json
 import random
 import sys
 
+from accelerate import PartialState
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
 from accelerate_neuron import simulator, tiny
@@ -47,24 +48,29 @@ def main() -> None:
     metrics = trainer.evaluate()
     trainer.save_model()
     st = simulator.stats()
-    print(
-        json.dumps(
-            {
-                "compiles": st["compiles"],
-                "compile_cache_hits": st["compile_cache_hits"],
-                "eager_compiles": st["eager_compiles"],
-                "eager_cache_hits": st["eager_cache_hits"],
-                "eager_signatures": st["eager_signature_list"],
-                "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
-                "missed": [[g["kind"], g["inputs"][:1]] for g in st["graphs"] if g["cache"] == "miss"],
-                "steps": result.global_step,
-                "eval_loss": metrics.get("eval_loss"),
-                "weights_before": before,
-                "weights_after": sum(float(p.detach().cpu().double().sum()) for p in model.parameters()),
-                "device": str(args.device),
-            }
-        )
+    line = json.dumps(
+        {
+            "compiles": st["compiles"],
+            "compile_cache_hits": st["compile_cache_hits"],
+            "eager_compiles": st["eager_compiles"],
+            "eager_cache_hits": st["eager_cache_hits"],
+            "eager_signatures": st["eager_signature_list"],
+            "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
+            "missed": [[g["kind"], g["inputs"][:1]] for g in st["graphs"] if g["cache"] == "miss"],
+            "steps": result.global_step,
+            "eval_loss": metrics.get("eval_loss"),
+            "weights_before": before,
+            "weights_after": sum(float(p.detach().cpu().double().sum()) for p in model.parameters()),
+            "device": str(args.device),
+        }
     )
+    # Ranks share the launcher's stdout, and a line longer than PIPE_BUF written by two processes at once can
+    # interleave: each rank prints in turn.
+    state = PartialState()
+    for rank in range(state.num_processes):
+        if rank == state.process_index:
+            print(line, flush=True)
+        state.wait_for_everyone()
 
 
 if __name__ == "__main__":
