@@ -8,14 +8,14 @@ graphs this run handed to the compiler, and a checksum of what it computed.
 
 from __future__ import annotations
 
-import json
 import sys
 
+from _precompile_report import print_report
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules
 from transformers import AutoModelForSequenceClassification, pipeline
 
-from accelerate_neuron import simulator, tiny
+from accelerate_neuron import tiny
 
 WORDS = tiny.CORPUS.split()
 #: Word counts: token lengths in the 32 and 64 buckets, batches of 4 (one short last batch of 2).
@@ -35,18 +35,8 @@ def main() -> None:
         device="neuron",
     )
     scores = [classify(text)[0]["score"] for text in texts]
-    st = simulator.stats()
-    print(
-        json.dumps(
-            {
-                "compiles": st["compiles"],
-                "compile_cache_hits": st["compile_cache_hits"],
-                "eager_compiles": st["eager_compiles"],
-                "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
-                "shape": list(embeddings.shape),
-                "checksum": float(abs(embeddings).sum()) + sum(scores),
-            }
-        )
+    print_report(
+        lambda g: g["inputs"][:1], shape=list(embeddings.shape), checksum=float(abs(embeddings).sum()) + sum(scores)
     )
 
 

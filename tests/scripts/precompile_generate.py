@@ -8,12 +8,12 @@ keys of the graphs this run handed to the compiler (hits and misses), and what g
 
 from __future__ import annotations
 
-import json
 import sys
 
+from _precompile_report import print_report
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from accelerate_neuron import simulator, tiny
+from accelerate_neuron import tiny
 
 WORDS = tiny.CORPUS.split()
 #: (prompt words, batch size, max_new_tokens): prompt buckets 32 and 64, batch buckets 1, 2 and 4, cache buckets 64
@@ -37,21 +37,7 @@ def main() -> None:
         lengths.append([list(inputs["input_ids"].shape), list(output.shape), str(output.device)])
         if "--fail" in sys.argv and i == 2:
             raise RuntimeError("this script fails on purpose on its third prompt")
-    st = simulator.stats()
-    print(
-        json.dumps(
-            {
-                "compiles": st["compiles"],
-                "compile_cache_hits": st["compile_cache_hits"],
-                "eager_compiles": st["eager_compiles"],
-                "eager_cache_hits": st["eager_cache_hits"],
-                "eager_signatures": st["eager_signature_list"],
-                "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
-                "missed": [g["inputs"][:2] for g in st["graphs"] if g["cache"] == "miss"],
-                "outputs": lengths,
-            }
-        )
-    )
+    print_report(lambda g: g["inputs"][:2], outputs=lengths)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@ this run handed to the compiler (hits and misses), the graphs it compiled and th
 
 from __future__ import annotations
 
-import json
 import sys
 
+from _precompile_report import print_report
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from accelerate_neuron import simulator, tiny
+from accelerate_neuron import tiny
 
 WORDS = tiny.CORPUS.split()
 LENGTHS = [3, 9, 17, 30, 44, 61, 12, 5]
@@ -30,20 +30,7 @@ def main() -> None:
     inputs = [tokenizer(prompt(n, i))["input_ids"] for i, n in enumerate(LENGTHS)]
     config = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=2, pad_token_id=0)
     results = model.generate_batch(inputs, generation_config=config)
-    st = simulator.stats()
-    print(
-        json.dumps(
-            {
-                "compiles": st["compiles"],
-                "compile_cache_hits": st["compile_cache_hits"],
-                "eager_compiles": st["eager_compiles"],
-                "eager_cache_hits": st["eager_cache_hits"],
-                "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
-                "missed": [[g.get("frame"), g["inputs"][:3]] for g in st["graphs"] if g["cache"] == "miss"],
-                "tokens": [r.generated_tokens for r in results.values()],
-            }
-        )
-    )
+    print_report(lambda g: [g.get("frame"), g["inputs"][:3]], tokens=[r.generated_tokens for r in results.values()])
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ JSON line with the simulator's counts, the graphs' cache keys, the loss and the 
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 
-from accelerate import PartialState
+from _precompile_report import print_report
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-from accelerate_neuron import simulator, tiny
+from accelerate_neuron import tiny
 
 
 def main() -> None:
@@ -47,30 +46,14 @@ def main() -> None:
     result = trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model()
-    st = simulator.stats()
-    line = json.dumps(
-        {
-            "compiles": st["compiles"],
-            "compile_cache_hits": st["compile_cache_hits"],
-            "eager_compiles": st["eager_compiles"],
-            "eager_cache_hits": st["eager_cache_hits"],
-            "eager_signatures": st["eager_signature_list"],
-            "graph_keys": sorted({g["cache_key"] for g in st["graphs"]}),
-            "missed": [[g["kind"], g["inputs"][:1]] for g in st["graphs"] if g["cache"] == "miss"],
-            "steps": result.global_step,
-            "eval_loss": metrics.get("eval_loss"),
-            "weights_before": before,
-            "weights_after": sum(float(p.detach().cpu().double().sum()) for p in model.parameters()),
-            "device": str(args.device),
-        }
+    print_report(
+        lambda g: [g["kind"], g["inputs"][:1]],
+        steps=result.global_step,
+        eval_loss=metrics.get("eval_loss"),
+        weights_before=before,
+        weights_after=sum(float(p.detach().cpu().double().sum()) for p in model.parameters()),
+        device=str(args.device),
     )
-    # Ranks share the launcher's stdout, and a line longer than PIPE_BUF written by two processes at once can
-    # interleave: each rank prints in turn.
-    state = PartialState()
-    for rank in range(state.num_processes):
-        if rank == state.process_index:
-            print(line, flush=True)
-        state.wait_for_everyone()
 
 
 if __name__ == "__main__":
