@@ -83,5 +83,11 @@ def settle_at_exit(read_signatures: Callable[[], list[str]]) -> None:
             settle(read_signatures())
         except Exception as exc:  # at exit nothing may raise into the interpreter's shutdown
             logger.debug("accelerate_neuron: eager signatures not settled at exit: %s", exc)
+        try:  # what settling compiled goes to the remote tier too (its own exit hook may have run already)
+            from ..compile_cache import tier
+
+            tier.flush_all()
+        except Exception as exc:
+            logger.debug("accelerate_neuron: remote compile cache not flushed at exit: %s", exc)
 
     atexit.register(_at_exit)
