@@ -20,7 +20,9 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
+from ..compile_cache import keys as compile_keys
 from . import graph_key, neff_cache
 
 logger = logging.getLogger(__name__)
@@ -55,13 +57,18 @@ def settle(signatures: Iterable[str]) -> tuple[int, int]:
     return hits, len(wanted) - hits
 
 
-def _entries(keys: dict[str, str]) -> dict[str, Callable[[], dict[str, str]]]:
+def _entries(keys: dict[str, str]) -> dict[str, Callable[[], dict[str, Any]]]:
     """What each new eager entry records: the signature (its key's preimage) and the versions."""
     return {key: functools.partial(_entry, sig) for key, sig in keys.items()}
 
 
-def _entry(signature: str) -> dict[str, str]:
-    return {"what": "eager", "signature": signature, **graph_key.versions()}
+def _entry(signature: str) -> dict[str, Any]:
+    return {
+        "what": "eager",
+        "signature": signature,
+        **graph_key.versions(),
+        "key_inputs": compile_keys.key_inputs(simulated=True),
+    }
 
 
 def forget() -> None:
