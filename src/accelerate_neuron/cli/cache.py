@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -500,7 +501,7 @@ def run_push(args: argparse.Namespace) -> int:
     present = dict(local.keys())
     keys = wanted or list(present)
     if remote.url.local:
-        os.makedirs(remote.root, exist_ok=True)  # push starts a shared folder; a job never creates one
+        os.makedirs(remote.root, mode=0o755, exist_ok=True)  # push starts a shared folder; a job never creates one
     result: dict[str, Any] = {"published": 0, "already_there": 0, "not_local": [], "failed": {}}
     for key in _Bar(len(keys), "push", args.json).over(keys):
         path = present.get(key)
@@ -679,6 +680,9 @@ def run_verify(args: argparse.Namespace) -> int:
                         damaged[x.key] = error
                         if args.delete:
                             remote.delete(x.path)
+                            if x.manifest is not None:  # a blob that does not match its name serves no one
+                                with contextlib.suppress(FileNotFoundError):
+                                    remote.delete(remote.blob_path(x.manifest["sha256"]))
             shutil.rmtree(tmp, ignore_errors=True)
             out["remote"] = {"url": remote.url.shown, "checked": len(listed), "damaged": damaged}
             bad += len(damaged)

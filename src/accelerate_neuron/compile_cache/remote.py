@@ -199,18 +199,19 @@ class Remote:
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=TEMP_PREFIX)
         try:
             digest, size = hashlib.sha256(), 0
-            with os.fdopen(fd, "wb") as out:
+            with os.fdopen(fd, "wb") as out, contextlib.ExitStack() as stack:
                 try:
-                    source = _open_local(self.root, blob) if self.url.local else self.fs.open(blob, "rb")
+                    fh = stack.enter_context(
+                        _open_local(self.root, blob) if self.url.local else self.fs.open(blob, "rb")
+                    )
                 except FileNotFoundError:
                     raise CorruptEntry(f"its blob {blob} is missing (a partial publish)") from None
-                with source as fh:
-                    while chunk := fh.read(min(CHUNK, manifest["size"] - size + 1)):
-                        size += len(chunk)
-                        if size > manifest["size"]:
-                            raise CorruptEntry(f"{blob} is larger than the {manifest['size']} bytes its manifest says")
-                        digest.update(chunk)
-                        out.write(chunk)
+                while chunk := fh.read(min(CHUNK, manifest["size"] - size + 1)):
+                    size += len(chunk)
+                    if size > manifest["size"]:
+                        raise CorruptEntry(f"{blob} is larger than the {manifest['size']} bytes its manifest says")
+                    digest.update(chunk)
+                    out.write(chunk)
             if size != manifest["size"]:
                 raise CorruptEntry(f"{blob} has {size} bytes, its manifest says {manifest['size']} (truncated)")
             if digest.hexdigest() != manifest["sha256"]:
