@@ -190,6 +190,31 @@ def test_a_changed_flag_target_or_lnc_is_another_key(sim: object, monkeypatch: p
     assert "expected one of trn1, trn2, trn3" in keys.problems(True)[0]
 
 
+@pytest.mark.one_pair
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["prune", "--remote", "/fsx/x"], "say what to prune: --older-than AGE and/or --max-size SIZE"),
+        (["prune", "--older-than", "soon"], "argument --older-than: 'soon' is not a duration; expected e.g. 30d"),
+        (["prune", "--max-size", "lots"], "argument --max-size: invalid size 'lots'"),
+        (["pull", "--remote", "/fsx/x", "not/a/key"], "invalid compile cache key 'not/a/key'"),
+        (["ls", "--local", "--remote-only"], "not allowed with argument"),
+        (["precompile", "--target", "inf9", "--", "python"], "argument --target: invalid choice: 'inf9'"),
+    ],
+)
+def test_cache_command_refuses_bad_arguments_naming_them(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from accelerate_neuron.cli import main
+
+    argv = argv if argv[0] == "precompile" else ["cache", *argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code in (1, 2) and message in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ the store: damaged, partial, planted entries
 
 
