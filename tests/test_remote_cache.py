@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -432,6 +433,29 @@ def test_publishing_never_blocks_and_a_failure_is_said_once(
     st = simulator.stats()
     assert (st["compiles"], st["compile_cache_hits"]) == (0, 1) and st["graphs"][0]["cache_source"] == "remote"
     assert st["compile_cache"]["remote"]["fetched"] == 1
+
+
+@pytest.mark.one_pair
+def test_on_a_real_host_the_neffs_a_process_added_are_published_at_exit(tmp_path: Path) -> None:
+    """torch-neuronx's folder as indexed (``ab/cd/<key>.neff``); what the process found there is not republished."""
+    from accelerate_neuron.compile_cache import real_neff
+
+    local = tmp_path / "neff_cache"
+    old, new = "a1" * 16, "b2" * 16
+    for key in (old, new):
+        path = local / key[:2] / key[2:4] / f"{key}.neff"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"NEFF " + key.encode())
+    os.utime(local / old[:2] / old[2:4] / f"{old}.neff", (1e9, 1e9))  # there before the process started
+    (local / "cd" / "ef").mkdir(parents=True)
+    (local / "cd" / "ef" / f"{'cd' * 16}.neff").symlink_to(tmp_path)  # never followed, never published
+    remote = Remote(f"file://{shared_folder(tmp_path / 'fsx')}")
+    real = tier.Tier(remote.url, kind="neff")
+    assert real_neff.publish_since(real, local, since=time.time() - 60) == 1
+    (listed,) = list(remote.entries("neff"))
+    assert listed.key == new and listed.manifest["simulated"] is False and not list(remote.entries("simulated"))
+    assert listed.fingerprint == keys.fingerprint(keys.key_inputs(simulated=False))
+    assert listed.manifest["key_inputs"]["compiler"].startswith("neuronx-cc")
 
 
 # ------------------------------------------------------------------ accelerate-neuron cache, and the fleet recipe
