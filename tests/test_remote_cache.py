@@ -216,6 +216,27 @@ def test_cache_command_refuses_bad_arguments_naming_them(
     assert code in (1, 2) and message in capsys.readouterr().err
 
 
+@pytest.mark.one_pair
+def test_cache_progress_bar_is_huggingface_hubs_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from huggingface_hub.utils import tqdm
+
+    from accelerate_neuron.cli import cache
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = cache._Bar(3, "pull", quiet=False)
+    assert isinstance(bar.bar, tqdm) and list(bar.over("abc")) == ["a", "b", "c"] and bar.bar.n == 3
+    assert "pull" in sys.stderr.getvalue()
+    assert cache._Bar(3, "pull", quiet=True).bar is None  # --json: stdout is the result, no bar
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert cache._Bar(3, "pull", quiet=False).bar is None  # not a terminal
+
+
 # ------------------------------------------------------------------ the store: damaged, partial, planted entries
 
 
