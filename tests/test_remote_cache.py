@@ -237,6 +237,24 @@ def test_cache_progress_bar_is_huggingface_hubs_on_a_terminal_only(monkeypatch: 
     assert cache._Bar(3, "pull", quiet=False).bar is None  # not a terminal
 
 
+@pytest.mark.one_pair
+def test_env_shows_the_key_inputs_and_the_remote(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate_neuron.cli import _checks, env
+
+    monkeypatch.setenv(keys.FLAGS_ENV, "--optlevel 1")
+    monkeypatch.setenv(keys.TARGET_ENV, "trn3")
+    monkeypatch.setenv("ACCELERATE_NEURON_REMOTE_CACHE", "hf://datasets/org/neff")
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as if it were not installed
+    facts = {"compile_cache": env._cache("simulated")}
+    inputs = facts["compile_cache"]["key_inputs"]
+    assert (inputs["neuron_cc_flags"], inputs["target"], inputs["lnc"]) == ("--optlevel 1", "trn3", "2")
+    assert inputs["fingerprint"] == keys.fingerprint({k: v for k, v in inputs.items() if k != "fingerprint"})
+    text = "\n".join(env._cache_lines(facts["compile_cache"]))
+    assert "target trn3, LNC 2, NEURON_CC_FLAGS --optlevel 1" in text and "hf://datasets/org/neff (read-write" in text
+    (problem,) = [p for p in _checks.compile_cache(facts) if p["severity"] == "error"]
+    assert "hf://datasets/org/neff" in problem["problem"] and problem["fix"] == "pip install huggingface_hub"
+
+
 # ------------------------------------------------------------------ the store: damaged, partial, planted entries
 
 
