@@ -61,7 +61,7 @@ def test_help_names_every_command_and_bad_flag_exits_2() -> None:
         (["demo", "--device-map", "spread"], "argument --device-map: invalid choice: 'spread' (choose from 'auto', "),
         (["demo", "--model", "/no/such/folder"], "argument --model: '/no/such/folder' is not a folder"),
         (["env", "--bogus"], "accelerate-neuron env: error: unrecognized arguments: --bogus"),
-        (["bogus"], "invalid choice: 'bogus' (choose from 'demo', 'env', 'simulate', 'precompile')"),
+        (["bogus"], "invalid choice: 'bogus' (choose from 'demo', 'env', 'simulate', 'precompile', 'cache')"),
     ],
 )
 def test_bad_flags_name_the_flag_and_what_is_allowed(

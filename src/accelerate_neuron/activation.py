@@ -96,6 +96,8 @@ def _activate() -> None:
     _load_real_backend()
     _maybe_simulate()
     _state.neuron = device.kind()
+    if _state.neuron == "real":
+        _publish_new_neffs()
     if _state.neuron is None:
         _state.inert_reason = "no Neuron device (real or simulated): nothing is patched"
         return
@@ -110,6 +112,18 @@ def _activate() -> None:
         return
     refresh_upstream_gates()
     _schedule_patches()
+
+
+def _publish_new_neffs() -> None:
+    """With a remote compile cache on a real device: publish at exit the NEFFs this process compiled."""
+    if settings.get_quietly("remote_cache") is None:
+        return
+    try:
+        from .compile_cache import real_neff
+
+        real_neff.start()
+    except Exception as exc:  # the remote cache is an optimisation: never a reason for a failed import
+        logger.warning("accelerate_neuron: the remote compile cache is not used: %s", exc)
 
 
 def _load_real_backend() -> None:

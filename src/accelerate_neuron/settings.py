@@ -45,6 +45,10 @@ class SettingError(ValueError):
     """A setting has a value it does not accept."""
 
     def __init__(self, setting: Setting, value: Any, origin: str, detail: str = "") -> None:
+        if setting.parse is parse_remote_url:  # a URL may carry credentials: never in a message
+            from .compile_cache.urls import redact
+
+            value = redact(str(value))
         shown = f"{setting.env}={value!r}" if origin == "environment" else f"{setting.name}: {value!r} ({origin})"
         choices = setting.choices.replace("`", "'")
         message = f"invalid {shown}: expected {choices}"
@@ -116,6 +120,32 @@ def parse_positive_count(value: Any) -> int:
 
 def parse_text(value: Any) -> str:
     return str(value).strip()
+
+
+def parse_remote_url(value: Any) -> Any:
+    """``remote_cache``: a ``file://``, ``s3://`` or ``hf://`` URL (checked, not opened), or an off word -> None."""
+    from .compile_cache import urls
+
+    text = str(value).strip()
+    if not text or _words(text) in OFF_WORDS:
+        return None
+    try:
+        return urls.parse(text)
+    except urls.RemoteURLError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def parse_seconds(value: Any) -> float:
+    """A positive, finite number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("")
+    try:
+        seconds = float(str(value).strip())
+    except ValueError:
+        raise ValueError("") from None
+    if not 0 < seconds < float("inf"):
+        raise ValueError("")
+    return seconds
 
 
 def parse_size_text(value: Any) -> str:
@@ -422,6 +452,38 @@ SETTINGS: tuple[Setting, ...] = (
         "serving",
         hook="neuron_serving_shape_policy",
     ),
+    # --- the compile cache shared by a fleet
+    Setting(
+        "remote_cache",
+        parse_remote_url,
+        None,
+        "a URL: `file:///shared/folder` (or an absolute path), `s3://bucket/prefix`, `hf://datasets/org/repo`; or "
+        "`off`",
+        "A compile cache shared by a fleet, behind the local NEFF cache: a local miss is looked up there before "
+        "compiling, and what this host compiles is published there in the background. `s3://` needs `s3fs` "
+        "(credentials from the standard AWS chain), `hf://` needs `huggingface_hub`. See Compile once.",
+        "compile cache",
+        default_text="unset (no remote tier)",
+    ),
+    Setting(
+        "remote_cache_read_only",
+        parse_switch,
+        False,
+        _SWITCH,
+        "Fetch from `remote_cache` but never publish to it (serving hosts, consumers without write access).",
+        "compile cache",
+        default_text="off",
+    ),
+    Setting(
+        "remote_cache_timeout",
+        parse_seconds,
+        60.0,
+        "a positive number of seconds, e.g. `60`",
+        "How long a process waits at exit for its entries to reach `remote_cache`; what is left stays in the "
+        "local cache (`accelerate-neuron cache push` publishes it).",
+        "compile cache",
+        default_text="`60`",
+    ),
     # --- set by the commands (children read them); listed so that `env` and the reference know them
     Setting(
         "report_dir",
@@ -622,6 +684,8 @@ def config_value(name: str, value: Any) -> Any:
         return "off" if value == () else value if isinstance(value, str) else list(value)
     if item.parse is parse_level:
         return str(value).lower()
+    if item.parse is parse_remote_url:
+        return "off" if value is None else value.url
     return value
 
 

@@ -138,8 +138,17 @@ class NeffCache:
     ``precompile --jobs N`` workers need).
     """
 
-    def __init__(self, root: Path | None, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT, off_reason: str | None = None):
+    def __init__(
+        self,
+        root: Path | None,
+        *,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        off_reason: str | None = None,
+        remote: Any = None,
+    ):
         self.root = root
+        #: The remote tier (:class:`accelerate_neuron.compile_cache.tier.Tier`) behind the persistent one, or None.
+        self.remote = remote
         self.lock_timeout = lock_timeout
         self.off_reason = off_reason if root is None else None
         self._memory: set[str] = set()
@@ -162,6 +171,8 @@ class NeffCache:
         out: dict[str, Any] = {"enabled": not foreign, "dir": str(self.root), "reason": foreign}
         if usage:
             out["entries"], out["bytes"] = disk_usage(self.root) if not foreign else (0, 0)
+        if self.remote is not None:
+            out["remote"] = self.remote.describe()
         return out
 
     def entry_path(self, key: str) -> Path:
@@ -221,10 +232,13 @@ class NeffCache:
                 if self.load(key) is not None:  # compiled by another process while this one waited
                     self._remember(key)
                     return Lookup(key, HIT, "disk")
-                self.store(key, compile())
+                if self._fetch(key):
+                    self._remember(key)
+                    return Lookup(key, HIT, "remote")
+                self._publish(key, self.store(key, compile()))
         except filelock.Timeout:
             self._warn_lock_timeout(key)
-            self.store(key, compile())
+            self._publish(key, self.store(key, compile()))
         self._remember(key)
         return Lookup(key, MISS, "compiled")
 
@@ -247,8 +261,10 @@ class NeffCache:
                     for key in pending:
                         if self.load(key) is not None:
                             results[key] = Lookup(key, HIT, "disk")
+                        elif self._fetch(key):
+                            results[key] = Lookup(key, HIT, "remote")
                         else:
-                            self.store(key, entries[key]())
+                            self._publish(key, self.store(key, entries[key]()))
                             results[key] = Lookup(key, MISS, "compiled")
             except filelock.Timeout:
                 self._warn_lock_timeout("batch")
@@ -259,6 +275,19 @@ class NeffCache:
         for key in results:
             self._remember(key)
         return results
+
+    # ---------------------------------------------------------------- the remote tier (compile_cache.tier)
+
+    def _fetch(self, key: str) -> bool:
+        """On a local miss: fetch ``key`` from the remote tier into its entry file; True if it is now a valid entry."""
+        if self.remote is None or not self.persistent:
+            return False
+        return self.remote.fetch_into(key, self.entry_path(key)) and self.load(key) is not None
+
+    def _publish(self, key: str, stored: bool) -> None:
+        """After a compile: hand the new entry to the remote tier, which publishes it in the background."""
+        if self.remote is not None and stored:
+            self.remote.publish(key, self.entry_path(key))
 
     # ---------------------------------------------------------------- storage
 
@@ -291,13 +320,13 @@ class NeffCache:
         finally:
             lock.release()
 
-    def store(self, key: str, body: Mapping[str, Any]) -> None:
+    def store(self, key: str, body: Mapping[str, Any]) -> bool:
         """Write an entry atomically (temp file in the same folder + rename); a failure only costs the entry.
 
-        Safe without the lock: readers see the old entry or the new one, never a mix.
+        Safe without the lock: readers see the old entry or the new one, never a mix. Returns whether it was written.
         """
         if not self.persistent:
-            return
+            return False
         path = self.entry_path(key)
         data = encode(key, {**body, "created": time.time(), "pid": os.getpid()})
         try:
@@ -318,6 +347,8 @@ class NeffCache:
                 self.root,
                 exc,
             )
+            return False
+        return True
 
     def _foreign(self) -> str | None:
         """Why the root must not be written (it may be a real NEFF cache), or None; creates nothing."""
@@ -427,8 +458,11 @@ def from_environment(*, warn: bool = True) -> NeffCache:
     disabled, _ = _disabled()
     if disabled:
         return NeffCache(None, lock_timeout=timeout, off_reason=f"{DISABLE_ENV}={os.environ.get(DISABLE_ENV)}")
+    from . import remote_tier
+
     explicit = os.environ.get(CACHE_DIR_ENV, "").strip()
-    return NeffCache(Path(explicit).expanduser() if explicit else default_dir(), lock_timeout=timeout)
+    root = Path(explicit).expanduser() if explicit else default_dir()
+    return NeffCache(root, lock_timeout=timeout, remote=remote_tier.from_settings())
 
 
 _current: NeffCache | None = None
@@ -444,13 +478,16 @@ def current() -> NeffCache:
         return _current
 
 
-def use(directory: str | os.PathLike[str] | None) -> NeffCache:
-    """Make ``directory`` this process's cache from now on (None: memory only); returns the previous one."""
+def use(directory: str | os.PathLike[str] | None, remote: Any = None) -> NeffCache:
+    """Make ``directory`` this process's cache from now on (None: memory only), with the remote tier ``remote``
+    (a :class:`~accelerate_neuron.compile_cache.tier.Tier`, or None); returns the previous one."""
     global _current
     with _current_lock:
         previous = _current or from_environment()
         root = None if directory is None else Path(directory)
-        _current = NeffCache(root, lock_timeout=_lock_timeout()[0], off_reason="use(None): no persistent tier")
+        _current = NeffCache(
+            root, lock_timeout=_lock_timeout()[0], off_reason="use(None): no persistent tier", remote=remote
+        )
         return previous
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import settings
+from ...compile_cache import outcomes
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ class Session:
 
     def done(self, kind: str, shape: dict[str, Any], seconds: float) -> None:
         signature = _signature(kind, shape)
-        self.emit({"event": "done", "index": self.seen.get(signature), "kind": kind, "seconds": round(seconds, 3)})
+        event = {"event": "done", "index": self.seen.get(signature), "kind": kind, "seconds": round(seconds, 3)}
+        # This process's graph lookups so far, by outcome (compiled / remote / disk / memory): precompile's counts.
+        self.emit({**event, "lookups": outcomes.snapshot()})
 
     def emit(self, event: dict[str, Any]) -> None:
         """Append one event to the progress file (a line per event, written whole: the parent reads as it goes)."""
@@ -82,6 +85,12 @@ class Session:
                 fh.write(line + "\n")
         except OSError as exc:  # progress is for the bar; the warm-up itself goes on
             logger.debug("accelerate_neuron: precompile progress not written (%s)", exc)
+
+
+def labelled(kind: str, shape: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """Entries compiled in the block say which warm-up, model and bucket made them (``accelerate-neuron cache ls``)."""
+    rest = {k: v for k, v in shape.items() if k != "model"}
+    return outcomes.labelled(warmup=kind, model=shape.get("model"), shape=rest)
 
 
 def _signature(kind: str, shape: dict[str, Any]) -> str:
