@@ -26,6 +26,7 @@ BASE = {
     "files",
     "records",
     "accelerate_config",
+    "moe_accounting",
 }
 PLUGIN_SIDE = {"activation", "plugins", "hookspecs", "patching", "builtin", "_autoload"}
 TOP = {"cli", "status_report", "__main__", "__init__"}

@@ -142,9 +142,10 @@ def test_the_users_choice_wins_and_the_patches_are_recorded(saved: dict, monkeyp
         experts.mode()
 
 
-def test_auto_takes_whichever_reads_fewer_expert_weights() -> None:
+def test_auto_runs_blockwise_unless_a_call_routes_fewer_pairs_than_experts() -> None:
     assert experts.choose(num_pairs=2, num_experts=4, chosen_mode="auto") == "gathered"  # a decode step, batch 1
-    assert experts.choose(num_pairs=4, num_experts=4, chosen_mode="auto") == "dense"
+    assert experts.choose(num_pairs=4, num_experts=4, chosen_mode="auto") == "blockwise"
+    assert experts.choose(num_pairs=2, num_experts=4, chosen_mode="blockwise") == "blockwise"
     assert experts.choose(num_pairs=2, num_experts=4, chosen_mode="dense") == "dense"
 
 
