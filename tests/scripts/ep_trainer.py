@@ -60,6 +60,18 @@ def counts(since: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class GraphsPerStep(transformers.TrainerCallback):
+    """The simulator's graph count after each step: a step of a new routing must compile nothing new."""
+
+    def __init__(self) -> None:
+        self.graphs: list[int] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from accelerate_neuron import simulator
+
+        self.graphs.append(len(simulator.stats()["graphs"]))
+
+
 class InOrder(transformers.Trainer):
     """Batches in dataset order (Accelerate hands rank r every r-th batch), so one process can stand for the job."""
 
@@ -91,13 +103,15 @@ def main() -> None:
         torch_compile=True,
         dataloader_drop_last=True,
     )
-    trainer = InOrder(model=model, args=args, train_dataset=data)
+    steps = GraphsPerStep()
+    trainer = InOrder(model=model, args=args, train_dataset=data, callbacks=[steps])
     simulator.reset_stats()
     start = simulator.stats()
     trainer.train()
     report: dict[str, Any] = {
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "train": counts(start),
+        "graphs_after_step": steps.graphs,
     }
     experts = [full(p.detach()).float().sum().item() for n, p in model.named_parameters() if ".experts." in n]
     others = [full(p.detach()).float().sum().item() for n, p in model.named_parameters() if ".experts." not in n]
