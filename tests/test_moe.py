@@ -138,7 +138,7 @@ def test_the_users_choice_wins_and_the_patches_are_recorded(saved: dict, monkeyp
     monkeypatch.setenv("ACCELERATE_NEURON_MOE_EXPERTS", "off")
     assert _load(saved["qwen3_moe"]).config._experts_implementation == "grouped_mm"
     monkeypatch.setenv("ACCELERATE_NEURON_MOE_EXPERTS", "sparse")
-    with pytest.raises(ValueError, match=r"ACCELERATE_NEURON_MOE_EXPERTS='sparse': expected 'auto', 'dense'"):
+    with pytest.raises(ValueError, match=r"MOE_EXPERTS='sparse': expected 'auto', 'blockwise', 'dense'"):
         experts.mode()
 
 

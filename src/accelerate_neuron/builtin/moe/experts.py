@@ -150,7 +150,7 @@ def blockwise_experts_forward(
     spec: blockwise.Plan | None = None,
     owner: Any = None,
 ) -> torch.Tensor:
-    """The pairs sorted into blocks of one expert each (:mod:`.blockwise`), counted in :mod:`accelerate_neuron.moe_accounting`.
+    """The pairs sorted into blocks of one expert each (:mod:`.blockwise`), noted in ``moe_accounting``.
 
     ``spec`` defaults to the settings' plan for the call; ``owner`` (default ``module``) keeps the drops of a
     capacity-mode call.
