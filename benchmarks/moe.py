@@ -37,7 +37,8 @@ fsdp_size=2, ep_size=2)``, tiny Qwen3-MoE with 8 experts, top-2): a compiled for
 upstream's ``all_to_all``: graphs compiled on the first routing and new ones on the second, and the graph breaks
 that are not FSDP2's own.
 
-    python benchmarks/moe.py [--only flops blocks generate ep] [--prompts 24] [--seed 11]
+    python benchmarks/moe.py [--only flops blocks generate ep] [--plot docs/moe-block-size.svg] [--prompts 24]
+        [--seed 11]
 """
 
 from __future__ import annotations
@@ -231,17 +232,53 @@ def block_rows(tokens: int, top_k: int, experts: int, hidden: int, inner: int, m
     return rows
 
 
+BLOCK_CALLS = (
+    (f"{TOKENS} tokens, top-{TOP_K} of {EXPERTS}", (TOKENS, TOP_K, EXPERTS, HIDDEN, INNER), True),
+    ("4096 tokens, top-8 of 128 (Qwen3-30B-A3B)", (4096, 8, 128, 2048, 768), False),
+)
+
+
+def plot_blocks(path: str) -> None:
+    """The block-size trade as an SVG: the experts' FLOPs and the expert-weight reads against the block size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (flops, reads) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for label, shape, _ in BLOCK_CALLS:
+        rows = block_rows(*shape, measure=False)
+        sizes = [int(r["block"].split()[0]) for r in rows]
+        flops.plot(sizes, [r["ratio"] for r in rows], marker="o", label=label)
+        reads.plot(sizes, [r["weight_reads"] for r in rows], marker="o", label=label)
+        chosen = next(r for r in rows if r["block"].endswith("*"))
+        flops.annotate(
+            "chosen",
+            (int(chosen["block"].split()[0]), chosen["ratio"]),
+            textcoords="offset points",
+            xytext=(4, 8),
+            fontsize=8,
+        )
+    for axis, title in ((flops, "experts' FLOPs / sparse dispatch"), (reads, "expert-weight reads (x the layer's)")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log", base=2)
+        axis.set_xlabel("rows per block (B)")
+        axis.set_title(title, fontsize=10)
+        axis.grid(True, which="both", alpha=0.3)
+    flops.legend(fontsize=8)
+    figure.suptitle("Blockwise experts: the block-size trade (benchmarks/moe.py --only blocks)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, format="svg", metadata={"Date": None})
+    print(f"wrote {path}")
+
+
 def print_blocks() -> None:
     print(
         "\n| call | block size (* chosen) | blocks | rows | experts' FLOPs / sparse | measured (FlopCounterMode) "
         "| expert-weight reads (x the layer's) | matmul per block |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    calls = (
-        (f"{TOKENS} tokens, top-{TOP_K} of {EXPERTS}", (TOKENS, TOP_K, EXPERTS, HIDDEN, INNER), True),
-        ("4096 tokens, top-8 of 128 (Qwen3-30B-A3B)", (4096, 8, 128, 2048, 768), False),
-    )
-    for label, shape, measure in calls:
+    for label, shape, measure in BLOCK_CALLS:
         for r in block_rows(*shape, measure=measure):
             measured = f"{r['measured']:.2f}x" if r["measured"] is not None else "-"
             print(
@@ -372,6 +409,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=[s for s in SECTIONS if s != "ep"])
+    parser.add_argument("--plot", metavar="SVG", help="also draw the block-size trade (e.g. docs/moe-block-size.svg)")
     parser.add_argument("--ep-worker", nargs=2, metavar=("MODEL_DIR", "IMPLEMENTATION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ep_worker:
@@ -381,6 +419,8 @@ def main() -> None:
         print_flops()
     if "blocks" in args.only:
         print_blocks()
+        if args.plot:
+            plot_blocks(args.plot)
     if "ep" in args.only:
         print_ep()
     if "generate" in args.only:

@@ -220,6 +220,10 @@ def test_the_block_size_setting_overrides_the_shape_rule(sim: Any, monkeypatch: 
     shapes = accelerate_neuron.moe_stats()["shapes"]
     assert [(s["implementation"], s["rows"], s["calls"]) for s in shapes] == [("blockwise", 64 * 95, 1)]
     assert shapes[0]["ratio"] == pytest.approx(64 * 95 / 2048)
+    # What `accelerate-neuron simulate` reads from each process's record.
+    from accelerate_neuron.simulator import report
+
+    assert report.collect()["moe"]["shapes"] == shapes
     monkeypatch.setenv("ACCELERATE_NEURON_MOE_BLOCK_SIZE", "0")
     with pytest.raises(ValueError, match=r"ACCELERATE_NEURON_MOE_BLOCK_SIZE='0': expected 'auto', or rows per block"):
         experts.block_plan(512, 4, 64)
