@@ -70,18 +70,49 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
     return _Wait.apply(tensor)
 
 
+def _tp_slices(impl: Any, tensors: tuple[torch.Tensor, ...], sentinel: int) -> tuple[torch.Tensor, ...]:
+    """The rows this rank handles when its TP group shares the batch: an equal slice each (the batch padded to a
+    multiple of ``tp_size``: zero rows, routed nowhere), as upstream's ``AllToAllEP`` slices it (whose backward
+    all-gathers the rows' gradients), so no token is computed twice."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tp = impl.tp_mesh.size()
+    rows = tensors[0].size(0)
+    pad = -rows % tp
+    if pad:
+        hidden, index, weights = tensors
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+        index = torch.nn.functional.pad(index, (0, 0, 0, pad), value=sentinel)
+        weights = torch.nn.functional.pad(weights, (0, 0, 0, pad))
+        tensors = (hidden, index, weights)
+    return tuple(
+        DTensor.from_local(t, impl.tp_mesh, [Replicate()], run_check=False)
+        .redistribute(impl.tp_mesh, [Shard(0)])
+        .to_local()
+        for t in tensors
+    )
+
+
 def gather_exchange(
     impl: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """All-gather the EP group's tokens and routing, run this rank's experts on its pairs, reduce-scatter back.
 
-    ``impl`` is an upstream ``EPImplementation`` (``experts_forward``, ``num_local_experts``, ``ep_mesh``).
+    ``impl`` is an upstream ``EPImplementation`` (``experts_forward``, ``num_local_experts``, ``ep_mesh``,
+    ``tp_mesh``).
     """
     from torch.distributed._functional_collectives import all_gather_tensor
 
     group = impl.ep_mesh.get_group()
     rank = impl.ep_mesh.get_local_rank()
     local_experts = impl.num_local_experts
+    num_tokens, hidden_dim = hidden_states.shape
+    tp = impl.tp_mesh.size()
+    if tp > 1:
+        sentinel = local_experts * impl.ep_mesh.size()  # past every rank's experts
+        hidden_states, top_k_index, top_k_weights = _tp_slices(
+            impl, (hidden_states, top_k_index, top_k_weights), sentinel
+        )
     gather, scatter = _collectives()
     hidden_all = _wait(gather(hidden_states.contiguous(), 0, group))
     weights_all = _wait(gather(top_k_weights.contiguous(), 0, group))
@@ -91,7 +122,16 @@ def gather_exchange(
     mine = (local >= 0) & (local < local_experts)
     local_index = torch.where(mine, local, local_experts)
     out = impl.experts_forward(hidden_all, local_index, weights_all.masked_fill(~mine, 0.0))
-    return _wait(scatter(out.contiguous(), "sum", 0, group))
+    out = _wait(scatter(out.contiguous(), "sum", 0, group))
+    if tp == 1:
+        return out
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows = out.size(0) * tp
+    full = DTensor.from_local(
+        out.contiguous(), impl.tp_mesh, [Shard(0)], shape=(rows, hidden_dim), stride=(hidden_dim, 1)
+    )
+    return full.full_tensor()[:num_tokens]
 
 
 def _gather_ep_class(base: type) -> type:
