@@ -42,13 +42,15 @@ KEY = "neuron_all_gather"
 MODULE = "transformers.distributed.expert_parallel"
 
 
-def _collectives() -> tuple[Any, Any]:
-    """(all-gather, reduce-scatter) functional collectives with a backward (names of torch >= 2.14, then older)."""
+def _collectives() -> tuple[Any, Any, Any]:
+    """(all-gather with a backward, reduce-scatter with a backward, all-gather without): functional collectives,
+    by the names of torch >= 2.14, else the older ones."""
     from torch.distributed import _functional_collectives as funcol
 
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
     scatter = getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
-    return gather, scatter
+    plain = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return gather, scatter, plain
 
 
 class _Wait(torch.autograd.Function):
@@ -101,8 +103,6 @@ def gather_exchange(
     ``impl`` is an upstream ``EPImplementation`` (``experts_forward``, ``num_local_experts``, ``ep_mesh``,
     ``tp_mesh``).
     """
-    from torch.distributed._functional_collectives import all_gather_tensor
-
     group = impl.ep_mesh.get_group()
     rank = impl.ep_mesh.get_local_rank()
     local_experts = impl.num_local_experts
@@ -113,10 +113,10 @@ def gather_exchange(
         hidden_states, top_k_index, top_k_weights = _tp_slices(
             impl, (hidden_states, top_k_index, top_k_weights), sentinel
         )
-    gather, scatter = _collectives()
+    gather, scatter, gather_ids = _collectives()
     hidden_all = _wait(gather(hidden_states.contiguous(), 0, group))
     weights_all = _wait(gather(top_k_weights.contiguous(), 0, group))
-    index_all = _wait(all_gather_tensor(top_k_index.contiguous(), 0, group))
+    index_all = _wait(gather_ids(top_k_index.contiguous(), 0, group))
     # Global expert ids -> this rank's; another rank's pairs get the sentinel id the experts skip.
     local = index_all - rank * local_experts
     mine = (local >= 0) & (local < local_experts)
