@@ -27,6 +27,7 @@ BASE = {
     "records",
     "accelerate_config",
     "compile_cache",
+    "moe_accounting",
 }
 PLUGIN_SIDE = {"activation", "plugins", "hookspecs", "patching", "builtin", "_autoload"}
 TOP = {"cli", "status_report", "__main__", "__init__"}

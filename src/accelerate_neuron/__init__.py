@@ -24,7 +24,7 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "disable_bucketing", "hookimpl", "precompile", "status"]
+__all__ = ["__version__", "disable_bucketing", "hookimpl", "moe_stats", "precompile", "reset_moe_stats", "status"]
 
 _ENTRY_POINT = "import torch (torch.backends entry point)"
 
@@ -45,6 +45,30 @@ def disable_bucketing(model: Any, disabled: bool = True) -> Any:
     from .builtin.inference.call import disable
 
     return disable(model, disabled)
+
+
+def moe_stats(model: Any = None) -> dict[str, Any]:
+    """What mixture-of-experts layers computed on Neuron since the process started (or :func:`reset_moe_stats`).
+
+    ``shapes``: per call shape, the implementation that ran (``blockwise``, ``gathered``, ``dense``, ...), tokens,
+    ``top_k``, experts, rows multiplied, ``ratio`` (the experts' FLOPs over a sparse dispatch's), FLOPs per token,
+    eager ``calls`` and whether a compiled graph holds it (``compiled``: counted once, when traced). With
+    ``model``: also ``dropped_pairs``, the pairs its experts dropped in their last call (capacity mode only,
+    ``ACCELERATE_NEURON_MOE_CAPACITY_FACTOR``).
+    """
+    from . import moe_accounting as stats
+
+    snapshot = stats.snapshot()
+    if model is not None:
+        snapshot["dropped_pairs"] = stats.dropped_pairs(model)
+    return snapshot
+
+
+def reset_moe_stats() -> None:
+    """Forget the MoE calls :func:`moe_stats` reports."""
+    from . import moe_accounting as stats
+
+    stats.reset()
 
 
 def precompile(target: Any, **options: Any) -> dict[str, Any]:

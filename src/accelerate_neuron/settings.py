@@ -183,9 +183,40 @@ def parse_moe_experts(value: Any) -> str:
     text = _words(value)
     if text in OFF_WORDS:
         return "off"
-    if text not in ("auto", "dense"):
+    if text not in ("auto", "blockwise", "dense"):
         raise ValueError("")
     return text
+
+
+#: The largest ``moe_block_size`` accepted (rows per block; NeuronX Distributed's default is 512).
+MAX_MOE_BLOCK = 4096
+
+
+def parse_moe_block_size(value: Any) -> int | None:
+    """``auto`` -> None (chosen by the call's shape), or rows per block from 1 to :data:`MAX_MOE_BLOCK`."""
+    if isinstance(value, str) and _words(value) == "auto":
+        return None
+    block = parse_positive_count(value)
+    if block > MAX_MOE_BLOCK:
+        raise ValueError(f"at most {MAX_MOE_BLOCK} rows per block")
+    return block
+
+
+def parse_capacity_factor(value: Any) -> float | None:
+    """Off words -> None (dropless); else a finite factor > 0 (at most 64)."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool):
+        raise ValueError("")
+    if isinstance(value, str) and _words(value) in OFF_WORDS:
+        return None
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("") from None
+    if not 0 < factor <= 64:  # also refuses nan and inf
+        raise ValueError("")
+    return factor
 
 
 @dataclass(frozen=True)
@@ -390,12 +421,38 @@ SETTINGS: tuple[Setting, ...] = (
         "moe_experts",
         parse_moe_experts,
         "auto",
-        "`auto`, `dense` or `off`",
+        "`auto`, `blockwise`, `dense` or `off`",
         "Mixture-of-experts layers on Neuron when the model did not ask for an `experts_implementation`: `auto` "
-        "runs every expert on every token, or gathers each token's experts' weights when that reads fewer "
-        "(small decode batches); `dense` always the former; `off` leaves upstream's default (`grouped_mm`, "
-        "routing-dependent shapes). Both choices are exact and fixed by the call's shape, never by the routing.",
+        "runs each call blockwise (the (token, expert) pairs sorted into blocks of one expert each: about the "
+        "FLOPs of a sparse dispatch), or gathers each pair's expert weights when a call routes fewer pairs than "
+        "there are experts (small decode batches); `blockwise` always the former; `dense` runs every expert on "
+        "every token (`experts / top_k` times the FLOPs); `off` leaves upstream's default (`grouped_mm`, "
+        "routing-dependent shapes). Every choice is exact and has shapes fixed by the call's shape, never by the "
+        "routing.",
         "moe",
+    ),
+    Setting(
+        "moe_block_size",
+        parse_moe_block_size,
+        None,
+        f"`auto`, or rows per block from 1 to {MAX_MOE_BLOCK}",
+        "Rows per block of the blockwise experts. `auto`: per call shape, the largest power of two (at most 512) "
+        "whose worst-case padding is at most half the call's (token, expert) pairs (at most 1.5x a sparse "
+        "dispatch's FLOPs). Larger blocks: larger matmuls and fewer expert-weight reads, more padded rows.",
+        "moe",
+        default_text="`auto`",
+    ),
+    Setting(
+        "moe_capacity_factor",
+        parse_capacity_factor,
+        None,
+        "`off`, or a factor > 0 up to 64, e.g. `1.25`",
+        "Blockwise experts with a fixed capacity per expert, `min(tokens, ceil(tokens * top_k * factor / "
+        "experts))` rows, as NeuronX Distributed's `capacity_factor`: pairs past an expert's capacity are "
+        "**dropped** (results change; counted in `accelerate_neuron.moe_stats()`). Also the per-peer capacity of "
+        "the expert-parallel exchange. `off`: dropless.",
+        "moe",
+        default_text="`off` (dropless)",
     ),
     # --- training
     Setting(
@@ -686,6 +743,10 @@ def config_value(name: str, value: Any) -> Any:
         return str(value).lower()
     if item.parse is parse_remote_url:
         return "off" if value is None else value.url
+    if item.parse is parse_moe_block_size and value is None:
+        return "auto"
+    if item.parse is parse_capacity_factor and value is None:
+        return "off"
     return value
 
 

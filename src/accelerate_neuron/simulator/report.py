@@ -327,7 +327,7 @@ def _track_models() -> None:
 
 def collect() -> dict[str, Any]:
     """This process's dry-run record: simulator counters, models, launch identity."""
-    from .. import backend_metrics
+    from .. import backend_metrics, moe_accounting
     from . import stats
 
     counters = stats()
@@ -348,6 +348,8 @@ def collect() -> dict[str, Any]:
         # torch_neuronx.get_fallback_ops()): the report reads these as it would on Trainium.
         "backend": backend_metrics.snapshot().as_dict(),
         "models": _tracker.models() if _tracker is not None else [],
+        # Mixture-of-experts calls: the experts' FLOPs per call shape against a sparse dispatch.
+        "moe": moe_accounting.snapshot(),
         "models_tracked": _tracker is not None,
     }
 
