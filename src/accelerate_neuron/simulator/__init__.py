@@ -139,6 +139,7 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
             distributed,
             eager_cache,
             random_ops,
+            ray_cores,
             torch_neuronx_shim,
         )
 
@@ -162,6 +163,7 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
         torch_neuronx_shim.install_finder()
         when_imported("torch._dynamo", compile_backend.register)
         when_imported("torch.distributed", distributed.register)
+        when_imported(ray_cores.MODULE, ray_cores.register)
         logger.info("simulated Neuron device installed: %d core(s) x %d bytes", cores, hbm_bytes)
 
     from ..device import announce_registered
@@ -175,9 +177,13 @@ def _signatures() -> list[str]:
 
     lib = get_state().lib
     size = lib.nsim_signatures(None, 0)
-    buf = bytes(size)
-    lib.nsim_signatures(buf, size)
-    return [s for s in buf.decode().split("\n") if s]
+    while True:
+        buf = bytes(size)
+        # Another thread may run new ops between the two calls: the copy is made only if it fits.
+        needed = lib.nsim_signatures(buf, size)
+        if needed <= size:
+            return [s for s in buf[:needed].decode().split("\n") if s]
+        size = needed
 
 
 def stats() -> dict[str, Any]:
