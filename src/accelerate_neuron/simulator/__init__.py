@@ -139,7 +139,6 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
             distributed,
             eager_cache,
             random_ops,
-            ray_cores,
             torch_neuronx_shim,
         )
 
@@ -163,7 +162,6 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
         torch_neuronx_shim.install_finder()
         when_imported("torch._dynamo", compile_backend.register)
         when_imported("torch.distributed", distributed.register)
-        when_imported(ray_cores.MODULE, ray_cores.register)
         logger.info("simulated Neuron device installed: %d core(s) x %d bytes", cores, hbm_bytes)
 
     from ..device import announce_registered

@@ -12,6 +12,13 @@ function runs: ``gloo`` without GPUs (``TorchConfig()``'s default), or
 - a ``gloo`` world group becomes ``cpu:gloo,neuron:neuron``: CPU tensors still go
   through gloo, Neuron tensors through the Neuron backend (DDP's gradients).
 
+And on a host with the simulated device, Ray counts its cores as ``neuron_cores``:
+Ray's ``NeuronAcceleratorManager`` finds a node's cores by running
+``/opt/aws/neuron/bin/neuron-ls --json-output`` only, so ``ray.init()`` there
+registered none and a ``ScalingConfig`` asking for them waited forever. It is
+counted in the process that starts the node (``ray.init()`` in a script that
+imported torch); ``ray start`` imports no torch.
+
 The ``ACCELERATE_TORCH_DEVICE=cpu`` Ray Train exports is handled where it is read
 (:func:`..engines.forced_torch_device`).
 """
@@ -92,3 +99,20 @@ def process_group_backend(backend: Any) -> Any:
         level=logging.INFO,
     )
     return mixed
+
+
+def simulated_device_only(_original: Any = None) -> str | None:
+    """``needed`` probe: Ray's own count stands on a host with real Neuron cores (neuron-ls answers there)."""
+    if device.kind() != "simulated":
+        return "no simulated Neuron device: Ray counts real cores with neuron-ls"
+    return None
+
+
+def wrap_node_core_count(original: Any) -> Any:
+    def get_current_node_num_accelerators() -> int:
+        found = original()
+        if found or device.kind() != "simulated":
+            return found  # neuron-ls answered: a real device, never shadowed
+        return device.device_count()
+
+    return get_current_node_num_accelerators
