@@ -4,9 +4,9 @@ Stock Ray Train gave a worker it assigned a Neuron core ``ACCELERATE_TORCH_DEVIC
 group: the model stayed on the CPU and DDP failed on ``device_ids`` (issue 41). The slow test runs
 ``tests/scripts/ray_train.py`` (``ray.init()`` without resources, ``ScalingConfig(num_workers=2,
 resources_per_worker={"neuron_cores": 1})``) under ``simulate``: the Trainer with Ray's default
-``TorchConfig()``, a resume from its ``ray.train.Checkpoint``, and an Accelerate loop with
-``TorchConfig(backend="neuron")``; then reads each worker's report and simulate's dry-run report, which
-holds a record from every Ray worker (Ray ends them with ``ray.kill``, which runs nothing in them).
+``TorchConfig()`` then FSDP2 on the group Ray created, a resume from its ``ray.train.Checkpoint``, and an
+Accelerate loop with ``TorchConfig(backend="neuron")``; then reads each worker's report and simulate's dry-run
+report, which holds a record from every Ray worker (Ray ends them with ``ray.kill``, which runs nothing in them).
 """
 
 from __future__ import annotations
@@ -115,6 +115,11 @@ def test_ray_train_with_rays_defaults_trains_each_worker_on_its_own_core(tmp_pat
     assert trainer[0]["weights"] == trainer[1]["weights"]
     assert trainer[0]["losses"] == trainer[1]["losses"]
     assert driver["trainer"] == {"error": None, "checkpoint_steps": [SAVE_AT, STEPS], "metrics_step": STEPS}
+    # FSDP2 on the same group Ray created: the full weights equal DDP's on the CPU (the group's gloo part).
+    for worker in trainer:
+        for got, want in zip(worker["fsdp2"], worker["cpu_ddp"], strict=True):
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert trainer[0]["fsdp2"] == trainer[1]["fsdp2"]
 
     # Resumed from the step-2 ray.train.Checkpoint: the dropout masks replayed, the same weights bitwise.
     resumed = _ranks(out / "resume")

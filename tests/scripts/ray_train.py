@@ -9,7 +9,8 @@ one Neuron core each, so the two workers run on different nodes. Cases, run in t
 
 - ``trainer``: the HF Trainer with Ray's default ``TorchConfig()`` (Ray creates a gloo group before the
   function runs), dropout on the device, bf16, ``torch_compile``; Ray's ``RayTrainReportCallback`` reports
-  a ``ray.train.Checkpoint`` at step 2 and 4;
+  a ``ray.train.Checkpoint`` at step 2 and 4; then FSDP2 (``fully_shard``) on the same group, against DDP
+  on the CPU through that group's gloo part;
 - ``resume``: the same job resumed from the step-2 ``ray.train.Checkpoint`` of ``trainer`` (handed over in
   the loop's config, Ray Train v2's way; ``ray.train.get_checkpoint()`` otherwise);
 - ``accelerate``: ``accelerate_train.main`` (a plain Accelerate loop) with ``TorchConfig(backend="neuron")``.
@@ -126,7 +127,42 @@ def trainer_loop(config: dict) -> None:
         "weights": _digest(trainer.model),
         "resumed": checkpoint is not None,
     }
+    if checkpoint is None:
+        report.update(fsdp2_against_cpu_ddp(config["scripts"]))
     _write(config["out"], _where(report, group))
+
+
+def fsdp2_against_cpu_ddp(scripts: str) -> dict:
+    """4 SGD steps of tests/scripts/rank_cases.py's model: FSDP2 on the Neuron core, DDP on the CPU, same group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, scripts)
+    import rank_cases
+
+    def train(wrapped, device) -> None:
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        for x in rank_cases.batches(dist.get_rank()):
+            wrapped(x.to(device)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    neuron = torch.device("neuron", 0)
+    mesh = init_device_mesh("neuron", (dist.get_world_size(),))
+    sharded = rank_cases.model(neuron)
+    for layer in (sharded[0], sharded[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    train(sharded, neuron)
+    cpu = rank_cases.model(torch.device("cpu"))
+    train(DistributedDataParallel(cpu), torch.device("cpu"))
+    return {
+        "fsdp2": [p.full_tensor().detach().cpu().flatten().tolist() for p in sharded.parameters()],
+        "cpu_ddp": [p.detach().flatten().tolist() for p in cpu.parameters()],
+    }
 
 
 def accelerate_loop(config: dict) -> None:
