@@ -108,8 +108,12 @@ def test_trainer_resume_after_sigkill_replays_dropout_exactly(
     assert str(next(uninterrupted.model.parameters()).device).startswith("neuron")
     assert len(want_losses) == STEPS
 
-    saved = torch.load(tmp_path / "whole" / f"checkpoint-{SAVE_AT}" / "rng_state.pth", weights_only=False)
+    checkpoint = tmp_path / "whole" / f"checkpoint-{SAVE_AT}"
+    saved = torch.load(checkpoint / "rng_state.pth", weights_only=False)
     assert len(saved["neuron"]) == torch.neuron.device_count()  # every visible core's generator
+    # Rewritten with the Neuron states, the file keeps the permissions upstream's files get (0644 under umask
+    # 022), so a service account that resumes a shared checkpoint can read it.
+    assert (checkpoint / "rng_state.pth").stat().st_mode == (checkpoint / "scheduler.pt").stat().st_mode
 
     _killed_run(tmp_path / "killed", "after-save")  # SIGKILL right after checkpoint-2 is on disk
     assert sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*")) == [f"checkpoint-{SAVE_AT}"]

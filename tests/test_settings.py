@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -272,3 +273,32 @@ def test_a_failed_write_leaves_the_old_file_and_no_debris(tmp_path: Path) -> Non
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
     files.write_atomically(target, b"new")
     assert target.read_text() == "new"
+
+
+def test_a_replaced_file_keeps_the_permissions_it_would_have_had(tmp_path: Path) -> None:
+    import stat
+
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    umask = os.umask(0o027)
+    try:
+        assert mode(files.write_atomically(tmp_path / "new.json", "{}")) == 0o640  # as open(path, "w") gives
+        kept = tmp_path / "kept.pth"
+        kept.write_bytes(b"old")
+        kept.chmod(0o604)
+        files.write_atomically(kept, b"new")
+        assert mode(kept) == 0o604 and kept.read_bytes() == b"new"  # the replaced file's mode
+    finally:
+        os.umask(umask)
+    assert mode(files.write_atomically(tmp_path / "chosen", "", mode=0o600)) == 0o600
+
+    # Temporary names are unpredictable, and a planted link is never written through.
+    names = {files.temporary_name(tmp_path / "x").name for _ in range(3)}
+    assert len(names) == 3 and not any(str(os.getpid()) in name for name in names)
+    victim = tmp_path / "victim"
+    victim.write_text("intact")
+    (tmp_path / "planted").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        files.create_new(tmp_path / "planted")
+    assert victim.read_text() == "intact"
