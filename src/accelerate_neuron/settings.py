@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .sizes import parse_size
+from .sizes import SizeTooLarge, parse_size
 
 PREFIX = "ACCELERATE_NEURON_"
 ON_WORDS = frozenset({"1", "on", "true", "yes"})
@@ -121,10 +121,13 @@ def parse_text(value: Any) -> str:
 def parse_size_text(value: Any) -> str:
     text = str(value).strip()
     try:
-        if parse_size(text) <= 0:
-            raise ValueError("")
+        size = parse_size(text)
+    except SizeTooLarge as exc:
+        raise ValueError(str(exc).partition(": ")[2]) from None  # names the bound it passed
     except ValueError:
         raise ValueError("") from None
+    if size <= 0:
+        raise ValueError("")
     return text
 
 
