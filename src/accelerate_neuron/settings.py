@@ -131,6 +131,16 @@ def parse_size_text(value: Any) -> str:
     return text
 
 
+def parse_folders(value: Any) -> tuple[str, ...]:
+    """Absolute folder paths separated by ``os.pathsep`` (``:``), or a YAML list of them; empty: none."""
+    items = [str(v) for v in value] if isinstance(value, list | tuple) else str(value).split(os.pathsep)
+    folders = [os.path.expanduser(item.strip()) for item in items if item.strip()]
+    relative = [f for f in folders if not os.path.isabs(f)]
+    if relative:
+        raise ValueError(f"{relative[0]!r} is not an absolute path")
+    return tuple(folders)
+
+
 _REGION_MODES = ("off", "layers", "auto")
 
 
@@ -285,6 +295,19 @@ SETTINGS: tuple[Setting, ...] = (
         "`TORCH_NEURONX_NEFF_CACHE_DIR` is set) the simulated NEFF cache are kept.",
         "activation",
         default_text="`$XDG_CACHE_HOME/accelerate_neuron` (`~/.cache/accelerate_neuron`)",
+        config=False,
+    ),
+    Setting(
+        "shared_cache_dirs",
+        parse_folders,
+        (),
+        "absolute folder paths separated by `:`",
+        "Cache folders that other users share on purpose (a team's `TORCH_NEURONX_NEFF_CACHE_DIR`): the plugin "
+        "reads entries there that other users wrote, and writes its own readable by your group. Anywhere else, a "
+        "folder or file owned by another user or writable by group/others is refused with a warning. A library is "
+        "never loaded from a shared folder: the simulated device's is built in your own cache folder.",
+        "activation",
+        default_text="unset (no folder is shared)",
         config=False,
     ),
     Setting(
@@ -732,10 +755,15 @@ TABLE_END = "<!-- end of settings table -->"
 
 
 def cache_dir() -> Path:
-    """The ``cache_dir`` setting, or ``$XDG_CACHE_HOME/accelerate_neuron`` (``~/.cache/accelerate_neuron``)."""
+    """The ``cache_dir`` setting, or :func:`default_cache_dir`."""
     chosen = get("cache_dir")
     if chosen:
         return Path(chosen).expanduser()
+    return default_cache_dir()
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/accelerate_neuron`` (``~/.cache/accelerate_neuron``): the user's own."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "accelerate_neuron"
 
 
