@@ -28,7 +28,7 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "disable_bucketing", "hookimpl", "precompile", "status"]
+__all__ = ["__version__", "disable_bucketing", "hookimpl", "is_warming_up", "precompile", "status"]
 
 _ENTRY_POINT = "import torch (torch.backends entry point)"
 
@@ -84,6 +84,17 @@ def precompile(target: Any, **options: Any) -> dict[str, Any]:
         report.update(delta)
         report["estimate"] = costs.estimate(delta["graphs_compiled"], delta["eager_compiled"])
     return report
+
+
+def is_warming_up() -> bool:
+    """Whether this process runs as a warm-up: an ``accelerate-neuron precompile`` worker, or inside ``precompile()``.
+
+    ``generate()`` then returns stand-ins (the prompt, then pad tokens): a script skips its own side
+    effects (writing results, sending them) with ``if not accelerate_neuron.is_warming_up(): ...``.
+    """
+    from .builtin.warmup import session
+
+    return session.current() is not None
 
 
 def _simulator_counts() -> Any:

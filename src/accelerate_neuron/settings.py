@@ -477,6 +477,17 @@ SETTINGS: tuple[Setting, ...] = (
         config=False,
     ),
     Setting(
+        "precompile_token",
+        parse_text,
+        "",
+        "a token",
+        "Proves that `accelerate-neuron precompile` started this process (it must match the token file the "
+        "command keeps in its scratch folder while it runs): without it, `ACCELERATE_NEURON_PRECOMPILE` is "
+        "ignored with a warning (set by `accelerate-neuron precompile`).",
+        "commands",
+        config=False,
+    ),
+    Setting(
         "precompile_scratch",
         parse_text,
         "",
