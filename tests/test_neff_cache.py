@@ -334,6 +334,33 @@ def test_entries_that_are_not_this_users_regular_files_are_refused_never_waited_
     assert stat.S_IMODE(cache.entry_path(keys["fifo"]).parent.stat().st_mode) == 0o700
 
 
+def test_a_link_planted_as_a_lock_is_not_followed_and_the_floor_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """filelock before 3.20.1 opened a planted symbolic link and truncated its target (CVE-2025-68146; a related
+    fix in 3.20.3): the declared floor excludes those releases, and the installed one refuses the link."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    requirements = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (floor,) = [Requirement(r).specifier for r in requirements if Requirement(r).name == "filelock"]
+    assert not floor.contains("3.20.2") and floor.contains("3.20.3")
+    assert floor.contains(importlib.metadata.version("filelock"))
+
+    cache = neff_cache.NeffCache(tmp_path / "neff")
+    assert cache.persistent
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "neff" / "locks").mkdir()
+    (tmp_path / "neff" / "locks" / f"{KEY}.lock").symlink_to(victim)
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        assert cache.get_or_compile(KEY, lambda: {"what": "graph"}).status == "miss"
+    assert victim.read_text() == "precious" and "cannot take the NEFF cache lock" in caplog.text
+    assert neff_cache.NeffCache(tmp_path / "neff").contains(KEY)  # compiled without the lock, entry kept
+
+
 RACER = """
     import json, logging, sys
     from pathlib import Path
