@@ -24,6 +24,8 @@ BASE = {
     "settings",
     "logs",
     "files",
+    "trust",
+    "precompile_token",
     "records",
     "accelerate_config",
     "compile_cache",

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .sizes import parse_size
+from .sizes import SizeTooLarge, parse_size
 
 PREFIX = "ACCELERATE_NEURON_"
 ON_WORDS = frozenset({"1", "on", "true", "yes"})
@@ -151,11 +151,24 @@ def parse_seconds(value: Any) -> float:
 def parse_size_text(value: Any) -> str:
     text = str(value).strip()
     try:
-        if parse_size(text) <= 0:
-            raise ValueError("")
+        size = parse_size(text)
+    except SizeTooLarge as exc:
+        raise ValueError(str(exc).partition(": ")[2]) from None  # names the bound it passed
     except ValueError:
         raise ValueError("") from None
+    if size <= 0:
+        raise ValueError("")
     return text
+
+
+def parse_folders(value: Any) -> tuple[str, ...]:
+    """Absolute folder paths separated by ``os.pathsep`` (``:``), or a YAML list of them; empty: none."""
+    items = [str(v) for v in value] if isinstance(value, list | tuple) else str(value).split(os.pathsep)
+    folders = [os.path.expanduser(item.strip()) for item in items if item.strip()]
+    relative = [f for f in folders if not os.path.isabs(f)]
+    if relative:
+        raise ValueError(f"{relative[0]!r} is not an absolute path")
+    return tuple(folders)
 
 
 _REGION_MODES = ("off", "layers", "auto")
@@ -343,6 +356,19 @@ SETTINGS: tuple[Setting, ...] = (
         "`TORCH_NEURONX_NEFF_CACHE_DIR` is set) the simulated NEFF cache are kept.",
         "activation",
         default_text="`$XDG_CACHE_HOME/accelerate_neuron` (`~/.cache/accelerate_neuron`)",
+        config=False,
+    ),
+    Setting(
+        "shared_cache_dirs",
+        parse_folders,
+        (),
+        "absolute folder paths separated by `:`",
+        "Cache folders that other users share on purpose (a team's `TORCH_NEURONX_NEFF_CACHE_DIR`): the plugin "
+        "reads entries there that other users wrote, and writes its own readable by your group. Anywhere else, a "
+        "folder or file owned by another user or writable by group/others is refused with a warning. A library is "
+        "never loaded from a shared folder: the simulated device's is built in your own cache folder.",
+        "activation",
+        default_text="unset (no folder is shared)",
         config=False,
     ),
     Setting(
@@ -566,6 +592,17 @@ SETTINGS: tuple[Setting, ...] = (
         "",
         "a file",
         "Where a warm-up worker reports its progress (set by `accelerate-neuron precompile`).",
+        "commands",
+        config=False,
+    ),
+    Setting(
+        "precompile_token",
+        parse_text,
+        "",
+        "a token",
+        "Proves that `accelerate-neuron precompile` started this process (it must match the token file the "
+        "command keeps in its scratch folder while it runs): without it, `ACCELERATE_NEURON_PRECOMPILE` is "
+        "ignored with a warning (set by `accelerate-neuron precompile`).",
         "commands",
         config=False,
     ),
@@ -854,10 +891,15 @@ TABLE_END = "<!-- end of settings table -->"
 
 
 def cache_dir() -> Path:
-    """The ``cache_dir`` setting, or ``$XDG_CACHE_HOME/accelerate_neuron`` (``~/.cache/accelerate_neuron``)."""
+    """The ``cache_dir`` setting, or :func:`default_cache_dir`."""
     chosen = get("cache_dir")
     if chosen:
         return Path(chosen).expanduser()
+    return default_cache_dir()
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/accelerate_neuron`` (``~/.cache/accelerate_neuron``): the user's own."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "accelerate_neuron"
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .. import costs, settings
+from .. import costs, precompile_token, settings
 from ..compile_cache import keys
 from ._children import Terminated, Tree, sigterm_raises
 from ._common import (
@@ -45,6 +45,9 @@ real, so the real run finds them all in the NEFF cache:
   Trainer: the Trainer's own steps (forward, backward, optimizer) on one batch
     per length bucket the dataloaders reach, weights restored afterwards;
     evaluate() / predict() likewise; nothing is written to the output folder.
+
+Everything else CMD does happens: a file it writes its results to gets the
+stand-ins (guard it with accelerate_neuron.is_warming_up()).
 
 --jobs N runs N copies of CMD; each compiles every N-th shape (in the order the
 script meets them), so CMD must meet the same shapes in the same order every
@@ -333,10 +336,17 @@ def _launch_command(command: list[str], kind: str | None, jobs: int) -> list[str
 
 
 def _worker_env(
-    args: argparse.Namespace, shard: int, jobs: int, folder: Path, simulated: bool, cores: str | None = None
+    args: argparse.Namespace,
+    shard: int,
+    jobs: int,
+    folder: Path,
+    simulated: bool,
+    cores: str | None = None,
+    token: str = "",
 ) -> dict[str, str]:
     env = dict(os.environ)
     env[settings.env_name("precompile")] = f"{shard}/{jobs}"
+    env[settings.env_name("precompile_token")] = token  # without it a worker runs for real
     env[settings.env_name("precompile_progress")] = str(folder / "progress.jsonl")
     env[settings.env_name("precompile_scratch")] = str(folder / "scratch")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -572,7 +582,8 @@ def run(args: argparse.Namespace) -> int:
         command = _launch_command(command, kind, jobs)
     with tempfile.TemporaryDirectory(prefix="accelerate-neuron-precompile-") as tmp:
         folder = Path(tmp)
-        (folder / "scratch").mkdir()
+        (folder / "scratch").mkdir(mode=0o700)
+        token = precompile_token.write(folder / "scratch")  # the proof a worker checks; gone when the run ends
         progress = Progress(folder / "progress.jsonl", jobs, args.compile_seconds)
         progress.bar = None if args.json else _bar(sys.stderr)
         started = time.perf_counter()
@@ -581,7 +592,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with sigterm_raises():
                 for shard in range(jobs):
-                    env = _worker_env(args, shard, jobs, folder, simulated, shares[shard])
+                    env = _worker_env(args, shard, jobs, folder, simulated, shares[shard], token)
                     workers.append(_start(command, env, shard, folder))
                     tree.add(workers[-1].proc)
                 _wait(workers, tree, progress)
