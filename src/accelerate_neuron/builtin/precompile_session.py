@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import settings
+from .. import settings
 
 logger = logging.getLogger(__name__)
 
