@@ -26,6 +26,8 @@ from .buckets import MAX_BUCKET, Buckets, pow2, round_up_pow2
 from .cut import Cut, Unplaced, kv_layers, last_logits_of_rows, sequence_dims, unpadded_static_cache
 from .pads import PAD_VALUES, add_rows, known_key, pad_columns, pad_id, pad_values
 from .policy import (
+    BATCH_BUCKETS_ENV,
+    PROMPT_BUCKETS_ENV,
     ShapePolicy,
     buckets,
     hook_answer,
