@@ -98,7 +98,8 @@ def test_generate_with_a_prompt_bucket_beyond_the_models_positions_matches_cpu(s
         for x in g["dynamo_inputs"]
         if x["name"].endswith("['input_ids']") and x["shape"][1] > 1
     }
-    assert widths == {256}, widths  # the prefill padded to the model's 256 positions, not to 100000
+    # The prefill padded to the model's 256 positions, not to 100000 (4.x prefills all but the last token there).
+    assert widths in ({256}, {255}), widths
     assert any("100000" in r.getMessage() and "(256)" in r.getMessage() for r in caplog.records)
 
 
