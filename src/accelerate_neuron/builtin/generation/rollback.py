@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ...plugins import call_hook
+from .. import shapes
 from ..compile_options import compile_options
 from . import cache as gcache
 from .widths import Widths
@@ -104,7 +105,7 @@ def compiled_forward(model: Any, forward: Callable[..., Any]) -> Callable[..., A
     with _compiled_lock:
         entry = _compiled.get(model)
         if entry is None or entry[0] is not key:
-            gcache.make_room_for_buckets("speculative decoding compiles one graph per width and cache length")
+            shapes.make_room_for_buckets("speculative decoding compiles one graph per width and cache length")
             entry = _compiled[model] = (key, torch.compile(forward, **compile_settings()))
     return entry[1]
 

@@ -34,10 +34,12 @@ from typing import Any
 
 import torch
 
-from ... import acceptance, settings
 from ... import device as neuron_device
-from ..regions import layers as regions
-from . import devices, draft, rollback, shapes, widths
+from ... import settings
+from ... import speculation_accounting as acceptance
+from .. import layer_regions as regions
+from .. import shapes
+from . import devices, draft, rollback, widths
 
 logger = logging.getLogger(__name__)
 

@@ -18,65 +18,49 @@ runs at its own width, with a warning once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ... import settings
-from . import shapes
+from .. import shapes
 
 CANDIDATE_BUCKETS_ENV = settings.env_name("candidate_buckets")
 #: The ``pow2`` candidate buckets: one verification graph per bucket a call reaches.
 POW2_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def candidate_buckets(fixed: int | None = None) -> tuple[int, ...]:
+def candidate_buckets(fixed: int | None = None) -> shapes.Buckets:
     """The ``candidate_buckets`` setting's counts, with ``fixed`` (a call's unchanging candidate limit) added."""
     spec = settings.get("candidate_buckets")
-    buckets = POW2_CANDIDATES if spec == settings.POW2 else tuple(spec)
-    if not buckets:
-        return ()
-    if fixed is not None and fixed > 0:
-        buckets = tuple(sorted({*buckets, fixed}))
-    return buckets
+    values = POW2_CANDIDATES if spec == settings.POW2 else tuple(spec)
+    if values and fixed is not None and 0 < fixed <= shapes.MAX_BUCKET:
+        values = tuple(sorted({*values, fixed}))
+    return shapes.Buckets(values, "candidate_buckets")
 
 
 @dataclass(frozen=True)
 class Widths:
     """The widths of one model's forwards in one speculative call."""
 
-    prompt: tuple[int, ...]  # prompt buckets (empty: off)
-    candidates: tuple[int, ...]  # candidate-count buckets (empty: off)
+    prompt: shapes.Buckets  # prompt buckets (empty: off)
+    candidates: shapes.Buckets  # candidate-count buckets (empty: off)
 
     def width(self, tokens: int, first: bool, floor: int = 0) -> int:
         """The width a forward of ``tokens`` real tokens runs at (``first``: the call's first forward of this model;
         ``floor``: the candidate count a verification is sized for at least)."""
         if first:
-            return self._prompt_width(tokens)
+            return self.prompt.pad_to(tokens, "speculative decoding", "first forward of")
         wanted = max(tokens - 1, floor)
         if wanted == 0:
             return 1
         if not self.candidates:
             return max(tokens, 1 + floor)
-        bucket = _smallest_at_least(self.candidates, wanted)
+        bucket = self.candidates.at_least(wanted)
         if bucket is None:
-            return self._prompt_width(max(tokens, 1 + floor))
+            return self.prompt.pad_to(max(tokens, 1 + floor), "speculative decoding", "forward of")
         return 1 + bucket
-
-    def _prompt_width(self, tokens: int) -> int:
-        bucket = _smallest_at_least(self.prompt, tokens)
-        if bucket is not None:
-            return bucket
-        if self.prompt:
-            shapes.warn_beyond_largest("speculative forward", tokens, self.prompt, shapes.PROMPT_BUCKETS_ENV)
-        return tokens
 
 
 def widths_for(max_position_embeddings: int | None, fixed: int | None = None) -> Widths:
     """The widths in force: the prompt-bucket policy and the candidate buckets (with a call's fixed limit)."""
     policy = shapes.resolve_policy(max_position_embeddings)
     return Widths(policy.prompt_buckets, candidate_buckets(fixed))
-
-
-def _smallest_at_least(buckets: Sequence[int], value: int) -> int | None:
-    return next((b for b in buckets if b >= value), None)
-
