@@ -95,8 +95,19 @@ def compile_settings() -> dict[str, Any]:
     return compile_options(call_hook("neuron_compile_config", purpose="generate") or {}, "generate")
 
 
+def _logits_and_picks(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` returning its logits and their argmax: the pick is part of the graph (an eager argmax would be
+    one more op signature per width on Neuron)."""
+
+    def step(**inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = forward(**inputs).logits
+        return logits, logits.argmax(dim=-1)
+
+    return step
+
+
 def compiled_forward(model: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` (the model's own, beneath any wrapper of this call) compiled once per model.
+    """``forward`` (the model's own, beneath any wrapper of this call), with its argmax, compiled once per model.
 
     The forward itself is compiled, not ``model.__call__``: an instance attribute this plugin sets for one call
     would otherwise be a guard of the graph, and the next call's would not match it.
@@ -106,7 +117,7 @@ def compiled_forward(model: Any, forward: Callable[..., Any]) -> Callable[..., A
         entry = _compiled.get(model)
         if entry is None or entry[0] is not key:
             shapes.make_room_for_buckets("speculative decoding compiles one graph per width and cache length")
-            entry = _compiled[model] = (key, torch.compile(forward, **compile_settings()))
+            entry = _compiled[model] = (key, torch.compile(_logits_and_picks(forward), **compile_settings()))
     return entry[1]
 
 
@@ -129,7 +140,7 @@ class Runner:
         self.forwards = 0
         self.cache: Any = None
         self.capacity = 0
-        self._forward = compiled_forward(model, forward) if compiled else forward
+        self._forward = compiled_forward(model, forward) if compiled else _logits_and_picks(forward)
         names = _forward_parameters(type(model))
         self._cache_kw = "cache" if "cache" in names else "past_key_values"
         self._cache_position = "cache_position" in names  # 4.x writes at cache_position; 5.x at the layer's length
@@ -226,15 +237,17 @@ class Runner:
             inputs["cache_position"] = torch.arange(start, start + width).to(self.device)
         else:
             self._seek(start)
-        outputs = self._forward(**inputs)
+        logits, picks = self._forward(**inputs)
         self.length = start + n
         self.forwards += 1
-        logits = outputs.logits
+        # Whole padded rows cross to the host and are cut there: a slice of n rows copied from the device would be
+        # one more op signature per n.
         if keep == KEEP_ARGMAX:
-            return logits.argmax(dim=-1).to("cpu")[:, :n]
+            return picks.to("cpu")[:, :n]
+        logits = logits.to("cpu")
         if keep == KEEP_LAST:
-            return logits[:, n - 1 : n].to("cpu").float()
-        return logits[:, :n].to("cpu").float()
+            return logits[:, n - 1 : n].float()
+        return logits[:, :n].float()
 
 
 @functools.lru_cache(maxsize=1)
