@@ -510,7 +510,7 @@ SPECULATION_CANDIDATES = 4
 
 
 def _speculation_models(vocab: int):
-    """The target (tiny Qwen3, 2 layers) and its draft: the same weights nudged (25% of each tensor's spread), so
+    """The target (tiny Qwen3, 2 layers) and its draft: the same weights nudged (10% of each tensor's spread), so
     it agrees with the target on most candidates but not all; 1 layer would agree on none (random weights)."""
     target = tiny.model("qwen3", vocab_size=vocab, initializer_range=0.3)
     draft = tiny.model("qwen3", vocab_size=vocab, initializer_range=0.3)
@@ -518,7 +518,7 @@ def _speculation_models(vocab: int):
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.25 * p.std())
+            p.add_(torch.randn(p.shape, generator=generator) * 0.1 * p.std())
     draft.generation_config.num_assistant_tokens = SPECULATION_CANDIDATES
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     return target.to("neuron"), draft.to("neuron")
@@ -586,7 +586,7 @@ def speculation_section(args) -> list[str]:
         f"Speculative decoding: {len(SPECULATION_WORDS)} prompts of different lengths one by one (words "
         f"{', '.join(map(str, SPECULATION_WORDS))}; prompt lookup: each prompt twice over), greedy, "
         f"max_new_tokens={SPECULATION_NEW_TOKENS}, tiny Qwen3 target (2 layers, hidden 64, vocab {args.vocab}); the "
-        f"draft is the target's weights nudged by 25% of each tensor's spread, {SPECULATION_CANDIDATES} candidates "
+        f"draft is the target's weights nudged by 10% of each tensor's spread, {SPECULATION_CANDIDATES} candidates "
         f"(constant schedule); prompt lookup proposes up to {SPECULATION_CANDIDATES}. Target forwards per token are "
         "the plugin's count (`accelerate_neuron.speculation_stats()`), stock's a forward hook on the target; the "
         "decode time on Trainium follows them "
