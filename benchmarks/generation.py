@@ -47,6 +47,7 @@ top-2), patched and stock, in one table: what routing adds to graphs, eager sign
 
     python benchmarks/generation.py [--tokens 8 16 32] [--vocab 32000] [--prompts 48] [--passes 4]
                                     [--seed 0] [--only workload|steps|regions|moe|speculation] [--output FILE]
+                                    [--plot docs/speculation.svg]
 """
 
 from __future__ import annotations
@@ -565,9 +566,34 @@ def _run_speculation(vocab: int, mode: str, stock: bool) -> dict:
     }
 
 
+def plot_speculation(path: str, curves: dict[str, list[int]]) -> None:
+    """Eager signatures compiled, cumulative, prompt length after prompt length: one line per setting (SVG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 3.6))
+    for name, growth in curves.items():
+        total, points = 0, []
+        for added in growth:
+            total += added
+            points.append(total)
+        axis.plot(range(1, len(points) + 1), points, marker="o", label=name)
+    axis.set_yscale("symlog", linthresh=10)
+    axis.set_xlabel("prompt lengths run (one by one)")
+    axis.set_ylabel("eager signatures compiled (total)")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+    axis.set_title("Speculative decoding on Neuron (benchmarks/generation.py --only speculation)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, format="svg", metadata={"Date": None})
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def speculation_section(args) -> list[str]:
     """Assisted generation and prompt lookup over 8 prompt lengths one by one, patched and stock."""
-    rows, notes = [], []
+    rows, notes, curves = [], [], {}
     for mode, label in (("assisted", "assisted (draft model)"), ("lookup", "prompt lookup")):
         patched = _run_speculation(args.vocab, mode, stock=False)
         with activation.unpatched():
@@ -575,6 +601,7 @@ def speculation_section(args) -> list[str]:
         same = all(torch.equal(a, b) for a, b in zip(patched["outputs"], stock["outputs"], strict=True))
         notes.append(f"{label}: tokens {'identical' if same else 'DIFFERENT'} patched vs stock")
         for name, run in ((f"accelerate-neuron, {label}", patched), (f"stock, {label}", stock)):
+            curves[name] = run["growth"]
             st = run["stats"]
             est = estimate(st["compiles"], st["eager_compiles"])
             per_token = f"{run['forwards_per_token']:.2f}"
@@ -582,6 +609,8 @@ def speculation_section(args) -> list[str]:
                 f"| {name} | {st['compiles']} | {st['eager_compiles']} | {' / '.join(map(str, run['growth']))} | "
                 f"{per_token} | {est['seconds'] / 60:.0f} min | {run['seconds']:.0f} s |"
             )
+    if args.plot:
+        plot_speculation(args.plot, curves)
     return [
         f"Speculative decoding: {len(SPECULATION_WORDS)} prompts of different lengths one by one (words "
         f"{', '.join(map(str, SPECULATION_WORDS))}; prompt lookup: each prompt twice over), greedy, "
@@ -613,6 +642,7 @@ def main() -> None:
         "--only", choices=("workload", "steps", "regions", "moe", "speculation"), help="run one section only"
     )
     parser.add_argument("--output", help="append the markdown section to this file")
+    parser.add_argument("--plot", metavar="SVG", help="with --only speculation: draw the eager-signature trend")
     args = parser.parse_args()
     tokens = sorted(args.tokens)
     header = [

@@ -12,6 +12,8 @@ tokens as plain greedy decoding).
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -22,7 +24,7 @@ from accelerate_neuron.builtin.generation import widths
 from test_generation import QWEN, _clean_dynamo, on, tok  # noqa: F401 - shared fixtures
 from test_generation_buckets import prompt
 
-NEW = 12
+NEW = 8
 CANDIDATES = 4
 
 
@@ -84,7 +86,8 @@ def _check_bounded(sim, calls: list, allowed: set[int]) -> None:
     assert len(compiled) == len(set(compiled)), compiled
 
 
-def test_assisted_generation_is_bounded_and_greedy_tokens_match_cpu(sim, tok):
+def test_assisted_generation_is_bounded_and_greedy_tokens_match_cpu(sim, tok, caplog):
+    caplog.set_level(logging.DEBUG, logger="accelerate_neuron.builtin.generation.speculation")
     reference = tiny.model("qwen3", **QWEN)
     draft_cpu = _draft(reference, noise=0.1)
     model = tiny.model("qwen3", **QWEN).to("neuron")
@@ -106,6 +109,8 @@ def test_assisted_generation_is_bounded_and_greedy_tokens_match_cpu(sim, tok):
     assert 0 < figures["accepted"] < figures["candidates"], figures
     assert figures["forwards_per_token"] < 1.0, figures
     assert figures["draft_forwards"] > 0, figures
+    said = [r.getMessage() for r in caplog.records if "speculative generate()" in r.getMessage()]
+    assert len(said) == 5 and f"for {NEW} tokens" in said[0] and "candidates accepted" in said[0], said
 
     # Speculative sampling: the draft's and the target's rows reach upstream's acceptance step on the host, so with
     # one seed the tokens are the CPU's, on the graphs compiled above.
