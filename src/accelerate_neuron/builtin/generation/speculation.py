@@ -20,7 +20,8 @@ beyond the real tokens, which no real query attends to.
 A call this cannot run at bounded shapes (an encoder-decoder, a sliding-window cache, a model split over cores,
 attentions or hidden states asked for, inputs beyond ids and mask, early exit, batch > 1, ...) goes to
 upstream's loop, its reason logged at debug level. Each call's acceptance (accepted candidates per target
-forward, target forwards per token) is logged at debug level and added to :mod:`accelerate_neuron.acceptance`.
+forward, target forwards per token) is logged at debug level and added to the base layer's
+:mod:`accelerate_neuron.speculation_accounting`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from typing import Any
 import torch
 
 from ... import device as neuron_device
-from ... import settings
-from ... import speculation_accounting as acceptance
+from ... import settings, speculation_accounting
 from .. import layer_regions as regions
 from .. import shapes
 from . import devices, draft, rollback, widths
@@ -162,7 +162,7 @@ class SpeculativeCall:
         self.model_kwargs: dict[str, Any] = dict(bound.get("model_kwargs") or {})
         self.assistant = bound.get("assistant_model")
         self.bound = bound
-        self.figures = acceptance.Acceptance()
+        self.figures = speculation_accounting.Acceptance()
         self.generator: Any = None
         self.draft_runner: rollback.Runner | None = None
         self.cache_key = "cache" if "cache" in self.model_kwargs else "past_key_values"
@@ -355,7 +355,7 @@ class SpeculativeCall:
 
     def _report(self) -> None:
         f = self.figures
-        acceptance.record(f)
+        speculation_accounting.record(f)
         logger.debug(
             "accelerate_neuron: speculative generate() on Neuron: %d target forwards for %d tokens (%.2f per token), "
             "%d of %d candidates accepted (%.2f per target forward), %d draft forwards",
