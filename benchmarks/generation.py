@@ -39,11 +39,15 @@ signatures each pass compiles, the cost model's compile time on Trainium,
 padding overhead (positions computed / real positions) and CPU wall time.
 Every result is checked against the stock one.
 
+``--only speculation`` runs assisted generation (a draft model) and prompt lookup over 8 prompt lengths one by one,
+patched and stock: graphs, eager signatures and their growth per prompt length, target forwards per token.
+
 ``--only moe`` runs that job on the dense tiny Qwen3 and on a tiny Qwen3-MoE of the same sizes (4 experts,
 top-2), patched and stock, in one table: what routing adds to graphs, eager signatures and host round trips.
 
     python benchmarks/generation.py [--tokens 8 16 32] [--vocab 32000] [--prompts 48] [--passes 4]
-                                    [--seed 0] [--only workload|steps|regions|moe] [--output FILE]
+                                    [--seed 0] [--only workload|steps|regions|moe|speculation] [--output FILE]
+                                    [--plot docs/speculation.svg]
 """
 
 from __future__ import annotations
@@ -501,6 +505,132 @@ def moe_section(args) -> list[str]:
     ]
 
 
+SPECULATION_WORDS = [3, 7, 11, 15, 19, 23, 27, 31]
+SPECULATION_NEW_TOKENS = 16
+SPECULATION_CANDIDATES = 4
+
+
+def _speculation_models(vocab: int):
+    """The target (tiny Qwen3, 2 layers) and its draft: the same weights nudged (10% of each tensor's spread), so
+    it agrees with the target on most candidates but not all; 1 layer would agree on none (random weights)."""
+    target = tiny.model("qwen3", vocab_size=vocab, initializer_range=0.3)
+    draft = tiny.model("qwen3", vocab_size=vocab, initializer_range=0.3)
+    draft.load_state_dict(target.state_dict())
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.1 * p.std())
+    draft.generation_config.num_assistant_tokens = SPECULATION_CANDIDATES
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    return target.to("neuron"), draft.to("neuron")
+
+
+def _run_speculation(vocab: int, mode: str, stock: bool) -> dict:
+    torch._dynamo.reset()
+    neff_cache.use(None)
+    target, draft = _speculation_models(vocab)
+    tok = tiny.tokenizer()
+    words = tiny.CORPUS.split()
+    kwargs = {"assistant_model": draft} if mode == "assisted" else {"prompt_lookup_num_tokens": SPECULATION_CANDIDATES}
+    accelerate_neuron.reset_speculation_stats()
+    simulator.reset_stats()
+    # Stock's target forwards, counted at the module (the plugin runs the model's forward on a runner and counts
+    # its own: speculation_stats()).
+    forwards: list[int] = []
+    handle = target.register_forward_hook(lambda *a: forwards.append(1)) if stock else None
+    growth, outputs, tokens, start = [], [], 0, time.perf_counter()
+    for n in SPECULATION_WORDS:
+        text = " ".join(words[i % len(words)] for i in range(n))
+        enc = tok(f"{text} {text}" if mode == "lookup" else text, return_tensors="pt")
+        before = simulator.stats()["eager_compiles"]
+        out = target.generate(
+            **{k: v.to("neuron") for k, v in enc.items()},
+            do_sample=False,
+            max_new_tokens=SPECULATION_NEW_TOKENS,
+            **kwargs,
+        )
+        growth.append(simulator.stats()["eager_compiles"] - before)
+        outputs.append(out.cpu())
+        tokens += out.shape[1] - enc["input_ids"].shape[1]
+    seconds = time.perf_counter() - start
+    if handle is not None:
+        handle.remove()
+    spec = accelerate_neuron.speculation_stats()
+    return {
+        "forwards_per_token": spec["forwards_per_token"] if spec["calls"] else len(forwards) / tokens,
+        "stats": simulator.stats(),
+        "growth": growth,
+        "outputs": outputs,
+        "speculation": spec,
+        "seconds": seconds,
+    }
+
+
+def plot_speculation(path: str, curves: dict[str, list[int]]) -> None:
+    """Eager signatures compiled, cumulative, prompt length after prompt length: one line per setting (SVG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 3.6))
+    for name, growth in curves.items():
+        total, points = 0, []
+        for added in growth:
+            total += added
+            points.append(total)
+        axis.plot(range(1, len(points) + 1), points, marker="o", label=name)
+    axis.set_yscale("symlog", linthresh=10)
+    axis.set_xlabel("prompt lengths run (one by one)")
+    axis.set_ylabel("eager signatures compiled (total)")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+    axis.set_title("Speculative decoding on Neuron (benchmarks/generation.py --only speculation)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, format="svg", metadata={"Date": None})
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def speculation_section(args) -> list[str]:
+    """Assisted generation and prompt lookup over 8 prompt lengths one by one, patched and stock."""
+    rows, notes, curves = [], [], {}
+    for mode, label in (("assisted", "assisted (draft model)"), ("lookup", "prompt lookup")):
+        patched = _run_speculation(args.vocab, mode, stock=False)
+        with activation.unpatched():
+            stock = _run_speculation(args.vocab, mode, stock=True)
+        same = all(torch.equal(a, b) for a, b in zip(patched["outputs"], stock["outputs"], strict=True))
+        notes.append(f"{label}: tokens {'identical' if same else 'DIFFERENT'} patched vs stock")
+        for name, run in ((f"accelerate-neuron, {label}", patched), (f"stock, {label}", stock)):
+            curves[name] = run["growth"]
+            st = run["stats"]
+            est = estimate(st["compiles"], st["eager_compiles"])
+            per_token = f"{run['forwards_per_token']:.2f}"
+            rows.append(
+                f"| {name} | {st['compiles']} | {st['eager_compiles']} | {' / '.join(map(str, run['growth']))} | "
+                f"{per_token} | {est['seconds'] / 60:.0f} min | {run['seconds']:.0f} s |"
+            )
+    if args.plot:
+        plot_speculation(args.plot, curves)
+    return [
+        f"Speculative decoding: {len(SPECULATION_WORDS)} prompts of different lengths one by one (words "
+        f"{', '.join(map(str, SPECULATION_WORDS))}; prompt lookup: each prompt twice over), greedy, "
+        f"max_new_tokens={SPECULATION_NEW_TOKENS}, tiny Qwen3 target (2 layers, hidden 64, vocab {args.vocab}); the "
+        f"draft is the target's weights nudged by 10% of each tensor's spread, {SPECULATION_CANDIDATES} candidates "
+        f"(constant schedule); prompt lookup proposes up to {SPECULATION_CANDIDATES}. Target forwards per token are "
+        "the plugin's count (`accelerate_neuron.speculation_stats()`), stock's a forward hook on the target; the "
+        "decode time on Trainium follows them "
+        "(decode is memory-bound: a target forward over 1 + k tokens costs about one token's). "
+        + "; ".join(notes)
+        + ".",
+        "",
+        "| setting | compiled graphs | eager signatures | eager signatures added per prompt length | target forwards "
+        "per token | est. compile on Trainium (cost model) | CPU wall (simulator) |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 16, 32])
@@ -508,8 +638,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=48, help="prompts in the workload section")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and batch sizes")
     parser.add_argument("--passes", type=int, default=4, help="workload passes of --prompts new prompts each")
-    parser.add_argument("--only", choices=("workload", "steps", "regions", "moe"), help="run one section only")
+    parser.add_argument(
+        "--only", choices=("workload", "steps", "regions", "moe", "speculation"), help="run one section only"
+    )
     parser.add_argument("--output", help="append the markdown section to this file")
+    parser.add_argument("--plot", metavar="SVG", help="with --only speculation: draw the eager-signature trend")
     args = parser.parse_args()
     tokens = sorted(args.tokens)
     header = [
@@ -524,6 +657,9 @@ def main() -> None:
         return
     if args.only == "moe":
         _emit("\n".join([*header, *moe_section(args)]), args.output)
+        return
+    if args.only == "speculation":
+        _emit("\n".join([*header, *speculation_section(args)]), args.output)
         return
     if args.only == "regions":
         header[2] = header[2].replace("1 core", "2 cores")

@@ -379,7 +379,7 @@ def test_inputs_embeds_assisted_decoding_and_kwarg_validation(sim, model, refere
     with pytest.raises(ValueError, match="max_new_tokns"):
         model.generate(**dev, max_new_tokns=4)
 
-    # Assisted decoding compares candidates moved to model.device with the sequence: it keeps upstream's placement.
+    # Assisted decoding (a draft on the host, the target on Neuron): the result comes back on the caller's device.
     assistant = tiny.model("qwen3", seed=1, **QWEN)
     expected = reference.generate(**enc, max_new_tokens=6, do_sample=False, assistant_model=assistant)
     out = model.generate(**dev, max_new_tokens=6, do_sample=False, assistant_model=assistant.to("neuron"))

@@ -35,6 +35,7 @@ BASE = {
     "accelerate_config",
     "compile_cache",
     "moe_accounting",
+    "speculation_accounting",
 }
 PLUGIN_SIDE = {"activation", "plugins", "hookspecs", "patching", "builtin", "_autoload"}
 TOP = {"cli", "status_report", "__main__", "__init__"}

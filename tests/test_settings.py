@@ -15,6 +15,7 @@ import pytest
 from accelerate_neuron import files, logs, plugins, settings, tiny
 from accelerate_neuron.builtin import shapes as gshapes
 from accelerate_neuron.builtin.generation import cache as gcache
+from accelerate_neuron.builtin.generation import widths
 from accelerate_neuron.builtin.serving import plan as serving_plan
 from accelerate_neuron.builtin.training import shapes as tshapes
 from accelerate_neuron.hookspecs import hookimpl
@@ -74,6 +75,7 @@ def _bucket_entry_points() -> dict[str, Any]:
             100, 256, settings.explicit("cache_buckets").value if settings.explicit("cache_buckets") else "pow2"
         ),
         "train_buckets": lambda: tshapes.resolve_policy(1024).buckets,
+        "candidate_buckets": lambda: widths.candidate_buckets(),
         "serving_token_buckets": lambda: serving_plan.resolve(tiny.config("qwen3"), "cpu").token_buckets,
         "serving_kv_buckets": lambda: serving_plan.resolve(tiny.config("qwen3"), "cpu").kv_buckets,
     }

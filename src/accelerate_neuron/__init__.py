@@ -36,6 +36,8 @@ __all__ = [
     "moe_stats",
     "precompile",
     "reset_moe_stats",
+    "reset_speculation_stats",
+    "speculation_stats",
     "status",
 ]
 
@@ -90,6 +92,23 @@ def moe_stats(model: Any = None) -> dict[str, Any]:
 def reset_moe_stats() -> None:
     """Forget the MoE calls :func:`moe_stats` reports."""
     from . import moe_accounting as stats
+
+    stats.reset()
+
+
+def speculation_stats() -> dict[str, float]:
+    """What speculative ``generate()`` calls on Neuron paid off since the process started (or
+    :func:`reset_speculation_stats`): ``calls``, ``target_forwards``, ``draft_forwards``, ``candidates`` proposed,
+    ``accepted``, ``tokens`` generated, ``accepted_per_forward`` and ``forwards_per_token`` (below 1: speculation
+    saves target forwards)."""
+    from . import speculation_accounting as stats
+
+    return stats.snapshot()
+
+
+def reset_speculation_stats() -> None:
+    """Forget the speculative calls :func:`speculation_stats` reports."""
+    from . import speculation_accounting as stats
 
     stats.reset()
 

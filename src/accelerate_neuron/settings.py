@@ -427,6 +427,28 @@ SETTINGS: tuple[Setting, ...] = (
         hook="neuron_generation_shape_policy",
     ),
     Setting(
+        "speculation",
+        parse_switch,
+        True,
+        _SWITCH,
+        "Assisted generation (`assistant_model=`, different tokenizers too) and prompt lookup "
+        "(`prompt_lookup_num_tokens=`) on Neuron run the draft and the target compiled, each on a static KV cache "
+        "rolled back by position, at a few bucketed widths; `0` leaves them to upstream's loop (a dynamic cache, "
+        "eager, new op shapes every token).",
+        "generation",
+        default_text="on",
+    ),
+    Setting(
+        "candidate_buckets",
+        parse_buckets,
+        POW2,
+        _BUCKETS,
+        "Candidate counts one speculative verification forward is padded to (`pow2`: 1, 2, 4, ... 64), plus the "
+        "call's own `num_assistant_tokens` / `prompt_lookup_num_tokens` when it does not change during the call; "
+        "more candidates than the largest bucket run at a prompt bucket. `off`: every count its own graph.",
+        "generation",
+    ),
+    Setting(
         "bucket_forwards",
         parse_switch,
         True,

@@ -413,6 +413,23 @@ def moe_shapes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(merged.values(), key=lambda s: (-float(s.get("ratio") or 0), str(s.get("implementation"))))
 
 
+def speculation(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Speculative generate() calls of every process (``speculation_accounting``), summed, with the two ratios."""
+    keys = ("calls", "target_forwards", "draft_forwards", "candidates", "accepted", "tokens")
+    totals = dict.fromkeys(keys, 0)
+    for record in records:
+        for key in keys:
+            totals[key] += int((record.get("speculation") or {}).get(key, 0) or 0)
+    if not totals["calls"]:
+        return None
+    forwards = totals["target_forwards"]
+    return {
+        **totals,
+        "accepted_per_forward": round(totals["accepted"] / forwards, 4) if forwards else 0.0,
+        "forwards_per_token": round(forwards / totals["tokens"], 4) if totals["tokens"] else 0.0,
+    }
+
+
 def _backend(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The backend's own compile figures, summed over the processes that report them."""
     backends = [r.get("backend") or {} for r in records]
@@ -521,6 +538,7 @@ def build_report(
         "cpu_fallbacks": _cpu_fallbacks(active),
         "host_op_graphs": host_op_graphs(active),
         "moe": moe_shapes(active),
+        "speculation": speculation(active),
         "backend": _backend(active),
         "estimate": estimate,
         "graph_breaks": _graph_breaks(active),

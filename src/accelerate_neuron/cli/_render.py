@@ -202,6 +202,25 @@ def _host_op_graphs(report: dict[str, Any]) -> list[str]:
 MOE_RATIO_HINT = 2.0
 
 
+def _speculation(report: dict[str, Any]) -> list[str]:
+    figures = report.get("speculation")
+    if not figures:
+        return []
+    lines = _section("Speculative decoding (assisted generation, prompt lookup)")
+    lines.append(
+        f"  {plural(figures['calls'], 'generate() call')}: {figures['tokens']} tokens in "
+        f"{figures['target_forwards']} target forwards ({figures['forwards_per_token']:.2f} per token), "
+        f"{figures['accepted']} of {figures['candidates']} candidates accepted "
+        f"({figures['accepted_per_forward']:.2f} per target forward), {figures['draft_forwards']} draft forwards"
+    )
+    if figures["tokens"] and figures["forwards_per_token"] >= 1.0:
+        lines.append(
+            "  One target forward per token or more: the draft's candidates are rejected; a closer draft (or "
+            "fewer candidates, num_assistant_tokens) would pay off."
+        )
+    return lines
+
+
 def _moe(report: dict[str, Any]) -> list[str]:
     shapes = report.get("moe") or []
     if not shapes:
@@ -294,6 +313,7 @@ def render_dryrun(report: dict[str, Any]) -> str:
         f"Transfers: host->device {size(report['h2d_bytes'])}, device->host {size(report['d2h_bytes'])}, "
         f"device->device {size(report['d2d_bytes'])}"
     )
-    lines += _fallbacks(report) + _host_op_graphs(report) + _moe(report) + _causes(report) + _breaks(report)
+    lines += _fallbacks(report) + _host_op_graphs(report) + _moe(report) + _speculation(report)
+    lines += _causes(report) + _breaks(report)
     lines += _estimate(report)
     return "\n".join(lines)

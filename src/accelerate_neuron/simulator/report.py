@@ -352,7 +352,7 @@ def _track_models() -> None:
 
 def collect() -> dict[str, Any]:
     """This process's dry-run record: simulator counters, models, launch identity."""
-    from .. import backend_metrics, moe_accounting
+    from .. import backend_metrics, moe_accounting, speculation_accounting
     from . import stats
 
     counters = stats()
@@ -375,6 +375,8 @@ def collect() -> dict[str, Any]:
         "models": _tracker.models() if _tracker is not None else [],
         # Mixture-of-experts calls: the experts' FLOPs per call shape against a sparse dispatch.
         "moe": moe_accounting.snapshot(),
+        # Speculative generate() calls: candidates accepted per target forward, target forwards per token.
+        "speculation": speculation_accounting.snapshot(),
         "models_tracked": _tracker is not None,
     }
 

@@ -113,6 +113,17 @@ def neuron_patches() -> list[Patch]:
             params=("input_ids", "logits_processor", "generation_config"),
         ),
         Patch(
+            GEN,
+            f"{_MIXIN}._assisted_decoding",
+            wrappers.wrap_assisted_decoding,
+            reason="assisted generation and prompt lookup on Neuron run the draft and the target compiled at a few "
+            "widths, each on a static KV cache rolled back by position, with the sequence on the host "
+            f"({settings.env_name('speculation')}=0 opts out)",
+            lacking="every release (a dynamic cache cropped every round, the sequence on the model's device: new op "
+            "shapes every token)",
+            params=("input_ids", "logits_processor", "stopping_criteria", "generation_config"),
+        ),
+        Patch(
             "transformers.modeling_utils",
             "PreTrainedModel.get_compiled_call",
             wrappers.wrap_get_compiled_call,

@@ -51,8 +51,6 @@ _PAD_MODES = frozenset({"greedy_search", "sample", "beam_search", "beam_sample"}
 _ROW_MODES = frozenset({"greedy_search", "sample"})
 #: Model inputs the padded layout knows how to extend; a tensor under any other name turns bucketing off.
 _KNOWN_TENSORS = frozenset({"input_ids", "attention_mask", "position_ids", "token_type_ids", "cache_position"})
-#: Ways of asking for assisted decoding, which keeps its sequence on the model's device (see ``open``).
-_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 _RETURNED_CACHE = ("past_key_values", "cache")
 
 
@@ -95,10 +93,8 @@ class GenerateCall:
     ) -> tuple[GenerateCall, tuple[Any, ...], dict[str, Any]]:
         """The call, and ``generate``'s arguments with the growing tensors where the hook wants them."""
         call = cls(model, dev, regional=regions.enabled(model))
-        if _assisted(model, kwargs):
-            # Assisted decoding moves candidate ids to model.device and compares them with ids on the
-            # sequence's device (upstream, every release): its sequence stays where the caller put it.
-            return call, args, kwargs
+        # Assisted decoding too: it runs on the host's sequence (:mod:`.speculation`), or, when it cannot, its
+        # tensors go back to the device for upstream's loop (``wrappers.wrap_assisted_decoding``).
         args, kwargs, call.caller = devices.bring_home(model, dev, args, kwargs)
         call.prompt = _prompt_length(model, args, kwargs)
         return call, args, kwargs
@@ -288,13 +284,6 @@ class GenerateCall:
                 if key in result.keys() and result[key] is not None:
                     result[key] = shapes.unpadded_static_cache(result[key], self.pad, self.batch)
         return devices.send_back(result, self.caller)
-
-
-def _assisted(model: Any, kwargs: dict[str, Any]) -> bool:
-    configs = (kwargs.get("generation_config"), getattr(model, "generation_config", None))
-    return any(kwargs.get(k) is not None for k in _ASSISTED) or any(
-        getattr(c, k, None) is not None for c in configs for k in _ASSISTED[1:]
-    )
 
 
 def _prompt_length(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:

@@ -19,13 +19,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from .. import overrides, shapes
-from . import cache, devices, padding
+from . import cache, devices, draft, padding, speculation
 from .call import GenerateCall, current
 from .concurrency import one_call_at_a_time
 
@@ -34,6 +37,7 @@ _NOT_FOR_ENCODER = ("decoder_", "cross_attn", "use_cache", "cache", "past_key_va
 _INSTANCE_ATTR = "prepare_inputs_for_generation"
 _MOVER_FLAG = "_accelerate_neuron_mover"
 _lock = threading.Lock()
+logger = logging.getLogger(__name__)
 
 # Transformers < 5.20 warns whenever input_ids and the model differ in device
 # type; host-side input_ids are this plugin's intent, not a user mistake.
@@ -74,6 +78,8 @@ def forward_inputs_on(model: Any, dev: Any) -> Iterator[None]:
             call = current(model)
             if call is not None:
                 args, kwargs = call.forward_inputs(args, kwargs)
+            if draft.is_drafting(model):  # a speculative draft's forward runs on its runner, from host tensors
+                return inner(*args, **kwargs)
             return devices.move(inner(*args, **kwargs), dev)
 
         return mover
@@ -184,6 +190,37 @@ def wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
             call.greedy = False
 
     return _sample
+
+
+def wrap_assisted_decoding(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``_assisted_decoding``: speculative decoding at bounded shapes (:mod:`.speculation`), or upstream's loop."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _assisted_decoding(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = current(self)
+        if call is None:
+            return original(self, *args, **kwargs)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            return original(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        try:
+            return speculation.decode(self, arguments)
+        except speculation.Declined as reason:
+            logger.debug("accelerate_neuron: assisted generate() runs in upstream's loop: %s", reason)
+        # Upstream moves the candidates to the model's device and compares them with the sequence: the sequence
+        # goes there too (generate() brought it to the host), and the result comes back to the host.
+        arguments.pop("self")
+        model_kwargs = arguments.pop("model_kwargs", {}) or {}
+        dev = call.device
+        moved = {k: devices.move(v, dev) if k in ("input_ids", "inputs_tensor") else v for k, v in arguments.items()}
+        model_kwargs = {k: v if k in devices.KEEP_IN_PLACE else devices.move(v, dev) for k, v in model_kwargs.items()}
+        return devices.send_back(original(self, **moved, **model_kwargs), torch.device("cpu"))
+
+    return _assisted_decoding
 
 
 def wrap_get_compiled_call(original: Callable[..., Any]) -> Callable[..., Any]:
