@@ -26,6 +26,7 @@ from ..generation.cache import make_room_for_buckets
 from ..training import watchdog
 from ..warmup import session
 from ..warmup.generation import model_tag
+from . import cache_update
 from . import plan as serving_plan
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_compute_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+        cache_update.prepare(self.cache)  # eagerly, before the step is traced: it updates the cache inline
         warmed = getattr(self, _WARMED, None)
         if not warmed or not watchdog.ensure_compile_counter():
             return original(self, model, batch_data)
