@@ -12,7 +12,11 @@ path):
 - :mod:`.input_grads`: ``enable_input_require_grads``' hook (PEFT, TRL with gradient
   checkpointing) called ``requires_grad_`` on the embeddings' output;
 - :mod:`.fused_logprob`: TRL's fused LM head wrote tiles with ``out=`` into a
-  non-contiguous view.
+  non-contiguous view;
+- :mod:`.warnings_once`: Transformers' ``logger.warning_once`` inside a forward
+  (4.57's use_cache advice under gradient checkpointing);
+- :mod:`.sliding_cache`: a static sliding-window cache layer counted its tokens in
+  a Python int, so generate()'s decode step compiled again at every token.
 
 The breaks that remain are named by ``accelerate-neuron simulate`` with the upstream
 file and line and what they cost per step. ``ACCELERATE_NEURON_DISABLE=tracing``
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from ...hookspecs import hookimpl
 from ...patching import Patch
-from . import fused_logprob, hub_kernels, input_grads, sliding_cache
+from . import fused_logprob, hub_kernels, input_grads, sliding_cache, warnings_once
 
 _KERNELS = "kernels._internals.layer.layer"
 _SLIDING = "StaticSlidingWindowLayer"
@@ -75,6 +79,16 @@ def neuron_patches() -> list[Patch]:
             "training step into several graphs",
             lacking="trl >= 1.x (add_fused_lm_head)",
             needed=fused_logprob.needed,
+        ),
+        Patch(
+            "transformers.utils.logging",
+            "logging.Logger.warning_once",
+            warnings_once.wrap_warning_once,
+            reason="Transformers' logger.warning_once is skipped while Dynamo traces (it warns in eager calls): "
+            "a call inside a compiled forward broke the graph (4.57: every decoder forward under gradient "
+            "checkpointing)",
+            lacking="every release (Dynamo cannot trace logging.Logger methods)",
+            params=("self",),
         ),
         Patch(
             "transformers.cache_utils",
