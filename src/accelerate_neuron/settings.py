@@ -139,6 +139,16 @@ def parse_regions(value: Any) -> str:
     return text
 
 
+def parse_warmup_shapes(value: Any) -> str | int:
+    """``serving_warmup_shapes``: ``auto``, ``all`` or a number of step shapes (0: no warm-up)."""
+    if isinstance(value, bool):
+        raise ValueError("")
+    text = _words(value)
+    if text in ("auto", "all"):
+        return text
+    return parse_count(text)
+
+
 _LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -421,6 +431,18 @@ SETTINGS: tuple[Setting, ...] = (
         "does not fit is an error.",
         "serving",
         hook="neuron_serving_shape_policy",
+    ),
+    Setting(
+        "serving_warmup_shapes",
+        parse_warmup_shapes,
+        "auto",
+        "`auto`, `all`, or a number of step shapes (`0`: no warm-up)",
+        "Which (query tokens, KV tokens) step shapes continuous batching's warm-up compiles, each a graph: `auto`, "
+        "the shapes a step can reach (from the requests' number, longest prompt and max_new_tokens when "
+        "generate_batch knows them; else the whole grid); `all`, the whole grid; N, at most N of the reachable "
+        "ones, smallest first (the others compile when a step first needs them). The grid and its estimated "
+        "compile time are logged before warming.",
+        "serving",
     ),
     # --- set by the commands (children read them); listed so that `env` and the reference know them
     Setting(

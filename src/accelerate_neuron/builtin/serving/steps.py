@@ -6,8 +6,9 @@
   the graph (``torch.compiler.disable``), only ever see the bucket grid.
 - ``ModelRunner.warmup``: upstream warms the largest shape only (CUDA graphs
   grow from it); on Neuron every shape of the grid is a compile, so the warm-up
-  runs one step per (query bucket, KV bucket): a warm server then compiles
-  nothing. In a ``precompile`` worker each shape is claimed through the
+  runs one step per (query bucket, KV bucket) a step can reach (:mod:`.warm_grid`:
+  announced with its cost first, capped by ``serving_warmup_shapes``): a warm
+  server then compiles nothing. In a ``precompile`` worker each shape is claimed through the
   warm-up session, so ``--jobs N`` splits the grid.
 - ``ModelRunner.compute_batch``: after that warm-up, a step that still compiles
   is warned about once per shape (it stalls every request for minutes on Neuron).
@@ -26,14 +27,14 @@ from ..generation.cache import make_room_for_buckets
 from ..training import watchdog
 from ..warmup import session
 from ..warmup.generation import model_tag
-from . import cache_update
+from . import cache_update, warm_grid
 from . import plan as serving_plan
 
 logger = logging.getLogger(__name__)
 
 _WARMED = "_accelerate_neuron_warmed_grid"
-#: Graphs a step shape adds on a cold cache, for precompile's ETA: the attention between two cache updates depends
-#: on the KV bucket; the other pieces are shared across KV buckets, and identical layers' pieces are one graph.
+#: Graphs a step shape adds on a cold cache (precompile's ETA, the warm-up's estimate): the paged cache's update is
+#: traced into the step (:mod:`.cache_update`), so a step is one graph.
 GRAPHS_PER_SHAPE = 1
 
 
@@ -73,9 +74,11 @@ def grid(runner: Any) -> list[tuple[int, int]]:
 def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def warmup(self: Any, model: Any) -> Any:
-        shapes = grid(self)
-        if not shapes:
+        full = grid(self)
+        if not full:
             return original(self, model)
+        shapes, why = warm_grid.choose(full, getattr(self.cb_config, warm_grid.REACH_ATTR, None))
+        warm_grid.announce(shapes, why, GRAPHS_PER_SHAPE)
         warm = session.current()
         started = time.perf_counter()
         before = watchdog.compile_count() if watchdog.ensure_compile_counter() else None
