@@ -46,7 +46,7 @@ def test_graphs_per_step_and_breaks_are_counted_for_a_compiled_function() -> Non
     for _ in range(3):
         assert torch.equal(compiled(x).cpu(), torch.full((4,), 4.0))
     stats = simulator.stats()
-    (group,) = [g for g in _steps(stats) if g["function"].startswith("test_graphs_per_step")]
+    (group,) = [g for g in _steps(stats) if g["function"].startswith("broken (")]
     assert group["steps"] == 3 and group["graphs_per_step"] == 2, group
     line = broken.__code__.co_firstlineno + 2  # the graph_break() call
     (found,) = [b for b in stats["graph_breaks"] if b["where"].endswith(f"test_graph_breaks.py:{line}")]
@@ -197,3 +197,56 @@ def test_sliding_window_generate_compiles_one_prefill_and_one_decode_graph(famil
     assert stats["dynamo_graphs"] == 2 and _graphs_per_step(stats) == {1}, stats["steps"]
     # Two step shapes: the prefill (3 calls, one bucket) and one decode graph for every generated token.
     assert sorted(g["steps"] for g in _steps(stats))[0] == 3 and len(_steps(stats)) == 2, stats["steps"]
+
+
+# ---------------------------------------------------------------------- TP x FSDP under torchrun
+
+
+def _distributed_sizes() -> bool:
+    import dataclasses
+
+    import transformers
+
+    config = getattr(transformers, "DistributedConfig", None)
+    return config is not None and {"tp_size", "fsdp_size"} <= {f.name for f in dataclasses.fields(config)}
+
+
+def _tp_train(tmp_path: Any, tp: int, fsdp: int) -> list[dict[str, Any]]:
+    import json
+    import sys
+    from pathlib import Path
+
+    from helpers import run_launcher
+
+    scripts = Path(__file__).parent / "scripts"
+    model_dir = tiny.save_pretrained(tmp_path / "model", "qwen3", initializer_range=0.3)
+    out = tmp_path / "out"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", str(scripts / "tp_train.py"), str(model_dir), str(out)]
+    run_launcher([*cmd, str(tp), str(fsdp)], cores=2)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _distributed_sizes(), reason="DistributedConfig(tp_size, fsdp_size) is Transformers 5's")
+def test_tensor_parallel_trainer_step_is_one_forward_and_one_backward_graph_per_rank(tmp_path: Any) -> None:
+    """DistributedConfig(tp_size=2) + torchrun + Trainer(torch_compile): the collectives are inside the graphs
+    (DTensor's functional collectives), 2 graphs per step on each rank, at most 4 NEFFs (the step recompiles once
+    after the first, loading the same graphs). 2 ranks: the issue's 4-rank TP x FSDP is too heavy for CI; FSDP's
+    own break is the next test's."""
+    reports = _tp_train(tmp_path, tp=2, fsdp=1)
+    for report in reports:
+        assert report["graphs_per_step"] == [2] and report["neffs"] <= 4 and not report["breaks"], report
+    assert reports[0]["loss"] == pytest.approx(reports[1]["loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _distributed_sizes(), reason="DistributedConfig(tp_size, fsdp_size) is Transformers 5's")
+def test_fsdp_hooks_remain_a_named_graph_break(tmp_path: Any) -> None:
+    """FSDP2 runs its hooks outside Dynamo by design (torch.distributed.fsdp's _dynamo_disable): each FSDP unit is a
+    graph boundary, where the all-gathers and reduce-scatters run eagerly. Not removed (docs/training.md); the
+    simulator names it with its file and line, so the day upstream traces it this test says so."""
+    reports = _tp_train(tmp_path, tp=1, fsdp=2)
+    for report in reports:
+        assert any("fsdp/_fully_shard/_fsdp_common.py" in b for b in report["breaks"]), report["breaks"]
+        assert max(report["graphs_per_step"]) > 2, report

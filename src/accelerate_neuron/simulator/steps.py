@@ -66,7 +66,7 @@ def _label(fn: Any) -> str:
         return f"{type(owner).__name__} (compiled module)"
     target = inspect.unwrap(fn)
     code = getattr(target, "__code__", None)
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+    name = getattr(target, "__name__", None) or type(target).__name__
     if code is None:
         return str(name)
     path = Path(code.co_filename)
