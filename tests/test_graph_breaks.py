@@ -113,6 +113,44 @@ def test_trl_sft_with_lora_is_one_forward_and_one_backward_graph_per_step(tmp_pa
     assert loss == pytest.approx(cpu_loss, rel=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("softcap", "scale", "temperature"), [(None, 1.0, 1.0), (30.0, 0.5, 0.7)], ids=["plain", "softcap-scale-temp"]
+)
+def test_the_traceable_fused_lm_head_computes_what_trls_does(softcap, scale, temperature) -> None:
+    """The plain-ops replacement of TRL's ChunkedLogProbFunction: same five outputs and the same gradients, in
+    float32 on the CPU (TRL's torch path), with a chunk smaller than the tokens so the chunking is exercised."""
+    from trl.kernels.chunked_logprob import OPTIONAL_OUTPUTS, ChunkedLogProbFunction
+
+    from accelerate_neuron.builtin.tracing import fused_logprob
+
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    bias = torch.randn(50, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    args = (targets, temperature, 16, softcap, scale, ("log_probs", *OPTIONAL_OUTPUTS))
+
+    def run(fn: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        for t in (hidden, weight, bias):
+            t.grad = None
+        logprobs, entropy, sq, mean, top1 = fn(hidden, weight, bias, *args)
+        (logprobs.sum() + 0.3 * entropy.sum()).backward()
+        return [logprobs, entropy, sq, mean, top1], [hidden.grad.clone(), weight.grad.clone(), bias.grad.clone()]
+
+    original = fused_logprob.CHUNK_ELEMENTS
+    fused_logprob.CHUNK_ELEMENTS = 10 * 50  # 4 chunks of tokens
+    try:
+        ours, our_grads = run(fused_logprob.chunked_logprob)
+    finally:
+        fused_logprob.CHUNK_ELEMENTS = original
+    theirs, their_grads = run(ChunkedLogProbFunction.apply)
+    for a, b in zip(ours[:4], theirs[:4], strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[4], theirs[4])
+    for a, b in zip(our_grads, their_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def _trainer_run(tmp_path: Any, *, cpu: bool) -> tuple[list[float], dict[str, Any], Any]:
     """A user's own Trainer: gradient checkpointing on a PEFT LoRA model (PEFT's enable_input_require_grads)."""
     import transformers
