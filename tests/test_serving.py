@@ -37,6 +37,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import model_runner
 
 from accelerate_neuron import hookimpl, logs, plugins, settings, simulator, tiny
+from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.serving import plan as serving_plan
 from helpers import REPO, clean_env, fresh_neff_cache_dir, last_json
 
@@ -329,14 +330,20 @@ def test_reachable_shapes_follow_the_requests() -> None:
 
     from accelerate_neuron.builtin.serving import warm_grid
 
-    grid = [(q, kv) for q in (32, 64, 512) for kv in (512, 1024, 2048, 16384)]
+    plan = serving_plan.ServingPlan((32, 64, 512), (512, 1024, 2048), 16384)
+    grid = plan.grid(512, 16384)
+    assert grid == [(q, kv) for q in (32, 64, 512) for kv in (512, 1024, 2048, 16384)]
     hints = WorkloadHints(max_prompt_length=40, max_generated_length=20, num_requests=16)
     reach = warm_grid.from_hints(hints)
     assert reach == warm_grid.Reach(query_tokens=640, kv_tokens=960)
-    assert warm_grid.reachable(grid, reach) == [(q, kv) for q in (32, 64, 512) for kv in (512, 1024)]
+    reachable = plan.grid(512, 16384, reach.query_tokens, reach.kv_tokens)
+    assert reachable == [(q, kv) for q in (32, 64, 512) for kv in (512, 1024)]
     one = warm_grid.from_hints(WorkloadHints(max_prompt_length=10, max_generated_length=5, num_requests=1))
-    assert warm_grid.reachable(grid, one) == [(32, 512)]
-    assert warm_grid.reachable(grid, warm_grid.from_hints(None)) == grid  # a server: everything
+    assert plan.grid(512, 16384, one.query_tokens, one.kv_tokens) == [(32, 512)]
+    server = warm_grid.from_hints(None)  # a server: everything
+    assert server == warm_grid.Reach(None, None) and plan.grid(512, 16384, None, None) == grid
+    shapes, why = warm_grid.choose(grid, reachable)
+    assert shapes == sorted(reachable, key=lambda s: (s[1], s[0])) and "the 6 a step of these requests" in why
 
 
 # --- the plan: buckets, settings, hook, the cache's size ----------------------------------------------------------
@@ -344,16 +351,18 @@ def test_reachable_shapes_follow_the_requests() -> None:
 
 @pytest.mark.parametrize(
     ("tokens", "budget", "expected"),
-    [(1, 512, 32), (32, 512, 32), (33, 512, 64), (500, 512, 512), (100, 128, 128), (100, 96, 96)],
+    [(1, 512, 32), (32, 512, 32), (33, 512, 64), (500, 512, 512), (100, 128, 128), (100, 96, 100)],
 )
 def test_token_bucket(tokens, budget, expected) -> None:
-    plan = serving_plan.ServingPlan(serving_plan.pow2(32, 512), (512, 1024), 4096)
+    # A step larger than its budget (upstream's scheduler never makes one) keeps its own size, as a size beyond the
+    # largest bucket does everywhere: padding "up" to the smaller budget would cut its tokens.
+    plan = serving_plan.ServingPlan(shapes.pow2(32, 512), (512, 1024), 4096)
     assert plan.token_bucket(tokens, budget) == expected
 
 
 @pytest.mark.parametrize(("read", "expected"), [(0, 512), (1, 512), (513, 1024), (3000, 3000), (2999, 3000)])
 def test_kv_bucket_ends_at_the_cache_capacity(read, expected) -> None:
-    plan = serving_plan.ServingPlan((32,), serving_plan.pow2(512, 16384), 16384)
+    plan = serving_plan.ServingPlan((32,), shapes.pow2(512, 16384), 16384)
     assert plan.kv_bucket(read, capacity=3000) == expected
     assert plan.kv_grid(3000) == (512, 1024, 2048, 3000)
 

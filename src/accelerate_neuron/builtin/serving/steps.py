@@ -23,10 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import logs
-from ..generation.cache import make_room_for_buckets
-from ..training import watchdog
-from ..warmup import session
-from ..warmup.generation import model_tag
+from .. import compile_counter
+from .. import precompile_session as session
+from ..model_tag import model_tag
+from ..shapes import make_room_for_buckets
 from . import cache_update, warm_grid
 from . import plan as serving_plan
 
@@ -63,12 +63,13 @@ def wrap_maybe_pad_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
     return maybe_pad_inputs
 
 
-def grid(runner: Any) -> list[tuple[int, int]]:
-    """The (query tokens, KV tokens) shapes a runner's steps can have."""
+def grid(runner: Any, reach: warm_grid.Reach | None = None) -> list[tuple[int, int]]:
+    """The (query tokens, KV tokens) shapes a runner's steps can have (within ``reach``: of that workload)."""
     plan = _plan(runner)
     if plan is None:
         return []
-    return plan.grid(runner.cache.max_batch_tokens, runner.cache.max_tokens_read)
+    reach = reach or warm_grid.Reach(None, None)
+    return plan.grid(runner.cache.max_batch_tokens, runner.cache.max_tokens_read, reach.query_tokens, reach.kv_tokens)
 
 
 def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,11 +78,11 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
         full = grid(self)
         if not full:
             return original(self, model)
-        shapes, why = warm_grid.choose(full, getattr(self.cb_config, warm_grid.REACH_ATTR, None))
+        shapes, why = warm_grid.choose(full, grid(self, warm_grid.reach_of(self.cb_config)))
         warm_grid.announce(shapes, why, GRAPHS_PER_SHAPE)
         warm = session.current()
         started = time.perf_counter()
-        before = watchdog.compile_count() if watchdog.ensure_compile_counter() else None
+        before = compile_counter.compile_count() if compile_counter.ensure_compile_counter() else None
         for tokens, kv in shapes:
             shape = {"model": model_tag(model), "tokens": tokens, "kv": kv}
             if warm is not None and not warm.claim("continuous_batching", shape, GRAPHS_PER_SHAPE):
@@ -102,7 +103,7 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
                 warm.done("continuous_batching", shape, time.perf_counter() - shape_started)
         self.cache.reset()  # the warm-up's requests leave no block behind
         setattr(self, _WARMED, set(shapes))
-        compiled = "" if before is None else f", {watchdog.compile_count() - before} Dynamo compile(s)"
+        compiled = "" if before is None else f", {compile_counter.compile_count() - before} Dynamo compile(s)"
         logger.info(
             "accelerate_neuron: continuous batching warmed %d step shape(s) (query tokens x KV tokens) in %.1f s%s",
             len(shapes),
@@ -118,11 +119,11 @@ def wrap_compute_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
         cache_update.prepare(self.cache)  # eagerly, before the step is traced: it updates the cache inline
         warmed = getattr(self, _WARMED, None)
-        if not warmed or not watchdog.ensure_compile_counter():
+        if not warmed or not compile_counter.ensure_compile_counter():
             return original(self, model, batch_data)
-        before = watchdog.compile_count()
+        before = compile_counter.compile_count()
         result = original(self, model, batch_data)
-        if watchdog.compile_count() > before:
+        if compile_counter.compile_count() > before:
             _warn_compiled_after_warmup(batch_data, warmed)
         return result
 

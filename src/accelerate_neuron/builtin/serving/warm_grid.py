@@ -55,28 +55,19 @@ def note(cb_config: Any, hints: Any) -> None:
     setattr(cb_config, REACH_ATTR, from_hints(hints))
 
 
-def _top(buckets: Sequence[int], bound: int | None) -> int:
-    """The largest bucket a value up to ``bound`` pads to."""
-    if bound is None:
-        return buckets[-1]
-    return next((b for b in buckets if b >= bound), buckets[-1])
+def reach_of(cb_config: Any) -> Reach:
+    """The bounds noted on a resolved config (unbounded: a server, or a config resolved without hints)."""
+    reach = getattr(cb_config, REACH_ATTR, None)
+    return reach if isinstance(reach, Reach) else Reach(None, None)
 
 
-def reachable(shapes: Sequence[tuple[int, int]], reach: Reach | None) -> list[tuple[int, int]]:
-    """The shapes of ``shapes`` (the grid) a step within ``reach`` can be padded to."""
-    if not shapes or reach is None:
-        return list(shapes)
-    q_top = _top(sorted({q for q, _ in shapes}), reach.query_tokens)
-    kv_top = _top(sorted({kv for _, kv in shapes}), reach.kv_tokens)
-    return [(q, kv) for q, kv in shapes if q <= q_top and kv <= kv_top]
-
-
-def choose(grid: Sequence[tuple[int, int]], reach: Reach | None) -> tuple[list[tuple[int, int]], str]:
-    """The shapes to warm, smallest first, and why those (for the log)."""
+def choose(grid: Sequence[tuple[int, int]], reachable: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], str]:
+    """The shapes to warm, smallest first, and why those (for the log): of the whole ``grid``, the ``reachable`` ones
+    (the plan's grid within a :class:`Reach`), as the setting says."""
     mode = settings.get(SETTING)
     if mode == "all":
         return sorted(grid, key=lambda s: (s[1], s[0])), f"the whole grid ({settings.env_name(SETTING)}=all)"
-    shapes = sorted(reachable(grid, reach), key=lambda s: (s[1], s[0]))
+    shapes = sorted(reachable, key=lambda s: (s[1], s[0]))
     why = (
         f"the {len(shapes)} a step of these requests can reach, of the {len(grid)} in the grid"
         if len(shapes) < len(grid)
