@@ -208,6 +208,13 @@ def parse_level(value: Any) -> str:
     return text.upper()
 
 
+def parse_fsdp_implementation(value: Any) -> str:
+    text = _words(value)
+    if text not in ("auto", "fully_shard"):
+        raise ValueError("")
+    return text
+
+
 def parse_moe_experts(value: Any) -> str:
     text = _words(value)
     if text in OFF_WORDS:
@@ -513,6 +520,18 @@ SETTINGS: tuple[Setting, ...] = (
         1,
         "a number of calls (>= 0), e.g. `1`",
         "Calls of a compiled model before a new graph counts as a recompile and is warned about.",
+        "training",
+    ),
+    Setting(
+        "fsdp_implementation",
+        parse_fsdp_implementation,
+        "auto",
+        "`auto` or `fully_shard`",
+        "FSDP of `DistributedConfig(fsdp_size=N)` on Neuron: `auto` keeps each parameter sharded as a DTensor "
+        "gathered inside the compiled step (all-gathers and reduce-scatters traced into it: one forward and one "
+        "backward graph per step), where it applies (not with expert parallelism, HSDP, pipeline parallelism, CPU "
+        "offload or FSDP's mixed-precision policy); `fully_shard`: upstream's FSDP2, whose hooks end a graph at "
+        "every FSDP unit.",
         "training",
     ),
     # --- continuous batching (generate_batch, init_continuous_batching, `transformers serve --continuous-batching`)

@@ -16,7 +16,10 @@ path):
 - :mod:`.warnings_once`: Transformers' ``logger.warning_once`` inside a forward
   (4.57's use_cache advice under gradient checkpointing);
 - :mod:`.sliding_cache`: a static sliding-window cache layer counted its tokens in
-  a Python int, so generate()'s decode step compiled again at every token.
+  a Python int, so generate()'s decode step compiled again at every token;
+- :mod:`.traced_fsdp`: FSDP2's hooks (``DistributedConfig(fsdp_size=N)``) run outside
+  Dynamo by design, a graph boundary at every FSDP unit: parameters sharded as
+  DTensors whose all-gathers and reduce-scatters are traced into the step instead.
 
 The breaks that remain are named by ``accelerate-neuron simulate`` with the upstream
 file and line and what they cost per step. ``ACCELERATE_NEURON_DISABLE=tracing``
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from ...hookspecs import hookimpl
 from ...patching import Patch
-from . import fused_logprob, hub_kernels, input_grads, sliding_cache, warnings_once
+from . import fused_logprob, hub_kernels, input_grads, sliding_cache, traced_fsdp, warnings_once
 
 _KERNELS = "kernels._internals.layer.layer"
 _SLIDING = "StaticSlidingWindowLayer"
@@ -120,5 +123,16 @@ def neuron_patches() -> list[Patch]:
             reason="crop() reads the token count: it is brought up to date first after traced updates",
             lacking="transformers 5 (4.57's sliding layers have no crop)",
             params=("self", "tokens_to_remove"),
+        ),
+        Patch(
+            "transformers.distributed.mixin",
+            "apply_fully_sharded_data_parallelism",
+            traced_fsdp.wrap_apply_fsdp,
+            reason="FSDP of DistributedConfig(fsdp_size) on Neuron shards each parameter as a DTensor gathered "
+            "inside the compiled step (functional collectives): FSDP2's hooks run outside Dynamo by design and "
+            "ended a graph at every FSDP unit",
+            lacking="transformers >= 5 (DistributedConfig with fsdp_size)",
+            params=("model", "mesh_manager", "fsdp_plan", "ep_plan"),
+            name="tracing.traced_fsdp",
         ),
     ]
