@@ -13,9 +13,14 @@ see with FSDP2), and reading it in a forward all-gathers it (``redistribute`` to
 a reduce-scatter of the gradient, averaged over the FSDP group as FSDP2 does. A compiled step is then one forward
 and one backward graph with the collectives inside, which the compiler can schedule and overlap.
 
-Memory: like FSDP2 with ``reshard_after_forward=True``, a gathered weight is not kept from the forward to the
-backward: the all-gather runs again in the backward (a selective-checkpoint policy on it), so a step holds
-the full weights of what it computes at that moment, not of the whole model.
+Memory: a weight gathered in the forward is kept for the backward that needs it (like FSDP2's
+``reshard_after_forward=False``), except under gradient checkpointing, where a checkpointed layer gathers its
+weights again when the backward recomputes it (like ``reshard_after_forward=True``). Parameters, gradients and
+optimizer state stay sharded between steps, as with FSDP2.
+
+With TP, a parameter TP left a plain tensor reads as a plain tensor (as with FSDP2), and the norms of TP's
+``replicated_with_grad_allreduce`` style (whose gradient upstream all-reduces over TP in a post-accumulate hook,
+which cannot run on a DTensor gradient) have their gradient summed over TP by the traced backward instead.
 
 Stands aside (upstream's ``fully_shard`` applies) for expert parallelism, HSDP (``dp_replicate_size > 1``),
 CPU offload, FSDP's mixed-precision policy, pipeline parallelism, a parameter on a mesh other than TP's, and off
@@ -27,7 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -95,19 +100,30 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _gather(param: Any, tp_mesh: Any, group_size: int) -> Any:
+class _Read(NamedTuple):
+    """How a sharded parameter reads in a forward."""
+
+    #: The TP mesh of a parameter TP sharded as a DTensor (it reads as TP's DTensor), None for a plain one.
+    tp_mesh: Any
+    #: Its gradient is partial over the TP group too (TP's ``replicated_with_grad_allreduce``: a norm that sees
+    #: only this rank's heads), summed by the traced backward instead of upstream's all-reduce hook.
+    grad_sums_tp: bool = False
+
+
+def _gather(param: Any, read: _Read, group_size: int) -> Any:
     """The full weight (TP's shard of it, as a DTensor on the TP mesh, with TP) for a forward to use."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     tp_placements = tuple(param.placements)[1:]
     gathered = param.redistribute(param.device_mesh, (Replicate(), *tp_placements))
     # Each rank computed its own batch's gradient: partial sums over the FSDP group, reduce-scattered back.
-    local = gathered.to_local(grad_placements=(Partial(), *tp_placements))
+    grad_tp = tuple(Partial() for _ in tp_placements) if read.grad_sums_tp else tp_placements
+    local = gathered.to_local(grad_placements=(Partial(), *grad_tp))
     local = _ScaleGrad.apply(local, 1.0 / group_size)
-    if tp_mesh is None:
+    if read.tp_mesh is None:
         return local
     return DTensor.from_local(
-        local, tp_mesh, tp_placements, run_check=False, shape=gathered.shape, stride=gathered.stride()
+        local, read.tp_mesh, tp_placements, run_check=False, shape=gathered.shape, stride=gathered.stride()
     )
 
 
@@ -136,7 +152,7 @@ def _forward_gathering(forward: Callable[..., Any]) -> Callable[..., Any]:
     return gathering_forward
 
 
-def _accessor(name: str, tp_mesh: Any, group_size: int) -> property:
+def _accessor(name: str, read: _Read, group_size: int) -> property:
     from torch.distributed.tensor import DTensor
 
     def get(module: torch.nn.Module) -> Any:
@@ -144,16 +160,17 @@ def _accessor(name: str, tp_mesh: Any, group_size: int) -> property:
         if param is None or _reading.depth == 0:
             return param
         if not isinstance(param, DTensor):  # upstream's local-tensor kernels (TP inference) swapped in the local
-            full = _gather(module.__dict__[_SHARDED][name], tp_mesh, group_size)
+            full = _gather(module.__dict__[_SHARDED][name], read, group_size)
             return full.to_local() if isinstance(full, DTensor) else full
-        return _gather(param, tp_mesh, group_size)
+        return _gather(param, read, group_size)
 
     return property(get)
 
 
-def _sharded_class(cls: type, names: tuple[str, ...], tp_mesh: Any, group_size: int) -> type:
-    """A subclass of ``cls`` (same name) whose sharded parameters read as their gathered weights in a forward."""
-    sub = type(cls.__name__, (cls,), {n: _accessor(n, tp_mesh, group_size) for n in names})
+def _sharded_class(cls: type, reads: tuple[tuple[str, _Read], ...], group_size: int) -> type:
+    """A subclass of ``cls`` (same name) whose sharded parameters (``reads``: name, how it reads) read as their
+    gathered weights in a forward."""
+    sub = type(cls.__name__, (cls,), {n: _accessor(n, read, group_size) for n, read in reads})
     sub.__qualname__ = cls.__qualname__
     sub.__module__ = cls.__module__
     setattr(sub, MARK, True)
@@ -184,6 +201,22 @@ def _shard_param(param: torch.Tensor, mesh: Any, fsdp_mesh: Any, tp_mesh: Any) -
     return torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
 
 
+#: Transformers' TP style whose forward pre-hook registers, on the first forward, a post-accumulate-grad hook that
+#: all-reduces a plain parameter's gradient over the TP group (``tensor_parallel.py``).
+_GRAD_ALL_REDUCE = "ReplicatedWithGradAllReduce."
+
+
+def _drop_grad_all_reduce(module: torch.nn.Module) -> bool:
+    """Remove TP's gradient all-reduce hook from ``module`` (the traced backward sums the gradient over TP); whether
+    it had one."""
+    hooks = [
+        k for k, h in module._forward_pre_hooks.items() if getattr(h, "__qualname__", "").startswith(_GRAD_ALL_REDUCE)
+    ]
+    for key in hooks:
+        del module._forward_pre_hooks[key]
+    return bool(hooks)
+
+
 def shard(model: torch.nn.Module, mesh_manager: Any) -> torch.nn.Module:
     """Shard every parameter of ``model`` over the FSDP mesh (and TP's), read through traced all-gathers."""
     config = _distributed_config(model)
@@ -191,21 +224,27 @@ def shard(model: torch.nn.Module, mesh_manager: Any) -> torch.nn.Module:
     fsdp_mesh = mesh_manager.get_mesh("fsdp")
     tp_mesh = mesh_manager.get_mesh("tp") if tp > 1 else None
     mesh = mesh_manager.get_mesh(("fsdp", "tp")) if tp_mesh is not None else fsdp_mesh
-    sharded: dict[int, torch.nn.Parameter] = {}
-    classes: dict[tuple[type, tuple[str, ...]], type] = {}
+    from torch.distributed.tensor import DTensor
+
+    sharded: dict[int, tuple[torch.nn.Parameter, _Read]] = {}
+    classes: dict[tuple[type, tuple[tuple[str, _Read], ...]], type] = {}
     for module in model.modules():
         names = tuple(n for n, p in module._parameters.items() if p is not None)
         if not names:
             continue
+        grad_sums_tp = _drop_grad_all_reduce(module) if tp_mesh is not None else False
+        reads = []
         for name in names:
             param = module._parameters[name]
             if id(param) not in sharded:  # a tied weight is one sharded parameter
-                sharded[id(param)] = _shard_param(param, mesh, fsdp_mesh, tp_mesh)
-            module._parameters[name] = sharded[id(param)]
+                read = _Read(tp_mesh if isinstance(param, DTensor) else None, grad_sums_tp)
+                sharded[id(param)] = (_shard_param(param, mesh, fsdp_mesh, tp_mesh), read)
+            module._parameters[name], read = sharded[id(param)]
+            reads.append((name, read))
         module.__dict__[_SHARDED] = {name: module._parameters[name] for name in names}
-        key = (type(module), names)
+        key = (type(module), tuple(reads))
         if key not in classes:
-            classes[key] = _sharded_class(type(module), names, tp_mesh, fsdp_mesh.size())
+            classes[key] = _sharded_class(type(module), tuple(reads), fsdp_mesh.size())
         module.__class__ = classes[key]
         module.forward = _forward_gathering(module.forward)
     model.forward = _forward_gathering(model.forward)  # a forward may read another module's weight (a tied head)
