@@ -269,7 +269,7 @@ def wrap_apply_fsdp(original: Callable[..., Any]) -> Callable[..., Any]:
                 logger,
                 ("tracing.fsdp_upstream", why),
                 "accelerate_neuron: FSDP through upstream's fully_shard (%s): on Neuron each FSDP unit is then a "
-                "graph boundary of a compiled step (docs/training.md#one-step-one-graph).",
+                "graph boundary of a compiled step (docs/training.md, 'FSDP and TP x FSDP').",
                 why,
             )
             return original(model, mesh_manager, fsdp_plan, ep_plan, *args, **kwargs)
