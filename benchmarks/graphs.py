@@ -19,7 +19,8 @@ Workloads (stock scripts, tiny models):
 - ``serving``: continuous batching (``generate_batch``, default grid), 16 requests with upstream's warm-up,
   then 16 more;
 - ``tp-fsdp`` (``--tp-fsdp``, 4 processes): ``DistributedConfig(tp_size=2, fsdp_size=2)`` + ``torchrun`` + a
-  ``Trainer`` with ``torch_compile``, 3 steps; per rank.
+  ``Trainer`` with ``torch_compile``, 3 steps; per rank (stock: upstream's FSDP2, patched: the traced FSDP);
+- ``fsdp`` (``--tp-fsdp``, 2 processes): the same with ``DistributedConfig(fsdp_size=2)``.
 
 Reported: Dynamo graphs, NEFFs (compiled + loaded from the NEFF cache), graphs per step (the graphs one call of
 the compiled function launched, its backward included: the target is 1 per inference step, 2 per training step)
@@ -219,8 +220,8 @@ def run_child(name: str) -> dict[str, Any]:
 TP_SCRIPT = """
 import json, os, sys, torch, transformers
 from accelerate_neuron import simulator
-model = transformers.AutoModelForCausalLM.from_pretrained(
-    sys.argv[1], distributed_config=transformers.DistributedConfig(tp_size=2, fsdp_size=2))
+sizes = transformers.DistributedConfig(tp_size=int(sys.argv[3]), fsdp_size=int(sys.argv[4]))
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], distributed_config=sizes)
 class Data(torch.utils.data.Dataset):
     def __len__(self): return 64
     def __getitem__(self, i):
@@ -238,20 +239,24 @@ print("RANK_ROW " + json.dumps(row), flush=True)
 """
 
 
-def run_tp_fsdp(env: dict[str, str]) -> dict[str, Any]:
+def run_tp_fsdp(env: dict[str, str], tp: int, fsdp: int) -> dict[str, Any]:
     from accelerate_neuron import tiny
 
+    ranks = tp * fsdp
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny.save_pretrained(Path(tmp) / "model", "qwen3", initializer_range=0.3)
         script = Path(tmp) / "tp_fsdp.py"
         script.write_text(TP_SCRIPT)
         torchrun = Path(sys.executable).parent / "torchrun"
-        cmd = [str(torchrun), "--standalone", "--nproc_per_node=4", str(script), str(model_dir), tmp]
+        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={ranks}", str(script), str(model_dir), tmp]
         proc = subprocess.run(
-            cmd, env={**env, "ACCELERATE_NEURON_SIMULATE": "4", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True
+            [*cmd, str(tp), str(fsdp)],
+            env={**env, "ACCELERATE_NEURON_SIMULATE": str(ranks), "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
         )
         rows = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("RANK_ROW ")]
-        if proc.returncode or len(rows) != 4:
+        if proc.returncode or len(rows) != ranks:
             raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     worst = max(rows, key=lambda r: r["compiled"] + r["loaded"])
     first = next(r for r in rows if r["rank"] == 0)
@@ -270,7 +275,9 @@ def measure(name: str, stock: bool) -> dict[str, Any]:
             env.update(STOCK_ENV)
         started = time.perf_counter()
         if name == "tp-fsdp":
-            row = run_tp_fsdp(env)
+            row = run_tp_fsdp(env, tp=2, fsdp=2)
+        elif name == "fsdp":
+            row = run_tp_fsdp(env, tp=1, fsdp=2)
         else:
             proc = subprocess.run([sys.executable, str(HERE), "--child", name], env=env, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -331,7 +338,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--only", help="comma-separated workloads among " + ", ".join(WORKLOADS))
-    parser.add_argument("--tp-fsdp", action="store_true", help="also run TP=2 x FSDP=2 under torchrun (4 processes)")
+    parser.add_argument(
+        "--tp-fsdp", action="store_true", help="also run TP=2 x FSDP=2 (4 processes) and FSDP=2 (2) under torchrun"
+    )
     parser.add_argument("--output", help="write the markdown table to this file")
     parser.add_argument("--svg", help="draw graphs per step, stock vs patched, to this SVG file")
     args = parser.parse_args()
@@ -340,7 +349,7 @@ def main() -> None:
         return
     names = args.only.split(",") if args.only else list(WORKLOADS)
     if args.tp_fsdp:
-        names.append("tp-fsdp")
+        names += ["tp-fsdp", "fsdp"]
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for name in names:
         results[name] = {mode: measure(name, mode == "stock") for mode in ("stock", "patched")}
