@@ -222,7 +222,7 @@ def test_unknown_disable_name_warns_with_valid_names() -> None:
     proc = _child(ACCELERATE_NEURON_SIMULATE="2", ACCELERATE_NEURON_DISABLE="placment,training")
     status = last_json(proc.stdout)
     assert "'placment'" in proc.stderr
-    valid = "valid names: generation, inference, launch, moe, placement, regions, serving, training, warmup"
+    valid = "valid names: generation, inference, launch, moe, placement, regions, serving, tracing, training, warmup"
     assert valid in proc.stderr
     assert {p["name"] for p in status["plugins"] if not p["active"]} == {"training"}
 

@@ -36,7 +36,7 @@ if importlib.util.find_spec("transformers.generation.continuous_batching.model_r
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import model_runner
 
-from accelerate_neuron import hookimpl, plugins, settings, simulator, tiny
+from accelerate_neuron import hookimpl, logs, plugins, settings, simulator, tiny
 from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.serving import plan as serving_plan
 from helpers import REPO, clean_env, fresh_neff_cache_dir, last_json
@@ -139,8 +139,9 @@ def test_generate_batch_matches_cpu_and_compiles_only_the_buckets_it_touches(
     touched = set(steps)
     assert touched <= GRID, touched - GRID
     stats = simulator.stats()
-    # Each piece of the step (upstream breaks the graph at every cache update) compiles once per shape at most.
-    assert stats["compiles"] > 0 and all(n <= len(touched) for n in misses_by_frame(stats).values())
+    # One graph per step shape: the paged cache's update is traced into the step (upstream breaks the graph there).
+    assert stats["compiles"] == len(touched) and stats["graph_breaks"] == [], stats["graph_breaks"]
+    assert {g["graphs_per_step"] for g in stats["steps"]} == {1}, stats["steps"]
     # Eager work: the cache update and the embedding lookup, a few ops per shape (the stock run: hundreds).
     assert stats["eager_signatures"] <= 5 * len(touched) + 8, stats["eager_signature_list"]
 
@@ -277,6 +278,74 @@ def test_after_warm_up_a_compile_is_warned_about(grid, model, tok, caplog) -> No
     assert len(warned) == 1 and "Dynamo recompiled" in warned[0], warned
 
 
+def test_the_warm_up_of_16_requests_compiles_only_the_shapes_they_can_reach(sim, model, reference, tok, caplog) -> None:
+    """The default grid (5 query x 6 KV buckets): 16 requests of at most 188 prompt tokens and 12 new ones cannot
+    read more than 3,200 KV tokens, so the warm-up compiles 5 x 4 shapes, one graph each (stock: 144 Dynamo
+    graphs, 59 compiles + 85 loads), announced with its cost before it starts; 16 more requests compile nothing."""
+    torch._dynamo.reset()
+    logs.forget()
+    first = requests(tok, 0)
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        out = model.generate_batch(first, generation_config=config())
+    assert generated(out) == [cpu_tokens(reference, ids) for ids in first]
+    warm = simulator.stats()
+    assert warm["compiles"] + warm["compile_cache_hits"] == warm["dynamo_graphs"] == 20 <= 24, warm["dynamo_graphs"]
+    assert {g["graphs_per_step"] for g in warm["steps"]} == {1} and warm["graph_breaks"] == []
+    (announced,) = [r.getMessage() for r in caplog.records if "warms 20 step shape(s)" in r.getMessage()]
+    assert "query tokens 32/64/128/256/512 x KV tokens 512/1024/2048/4096" in announced, announced
+    assert "about 20 min of compiling" in announced and "ACCELERATE_NEURON_SERVING_WARMUP_SHAPES" in announced
+
+    second = requests(tok, 16)
+    out = model.generate_batch(second, generation_config=config())
+    assert generated(out) == [cpu_tokens(reference, ids) for ids in second]
+    after = simulator.stats()
+    assert after["dynamo_graphs"] == warm["dynamo_graphs"] and after["compiles"] == warm["compiles"]
+    assert after["compile_cache_hits"] == warm["compile_cache_hits"]
+
+
+@pytest.mark.parametrize("cap", [1, 0])
+def test_serving_warmup_shapes_caps_the_warm_up(grid, sim, model, tok, monkeypatch, caplog, cap) -> None:
+    """A server's requests are unknown: every shape is reachable. The setting caps the warm-up (smallest first);
+    the rest compile when a step first needs them."""
+    monkeypatch.setenv("ACCELERATE_NEURON_SERVING_WARMUP_SHAPES", str(cap))
+    torch._dynamo.reset()
+    logs.forget()
+    manager = model.init_continuous_batching(generation_config=config())
+    try:
+        with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+            manager.warmup()
+    finally:
+        manager.destroy()
+    assert simulator.stats()["compiles"] == cap
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if cap:
+        assert "warms 1 step shape(s) before serving, 1 of the whole grid" in said, said
+        assert "query tokens 32 x KV tokens 1024" in said, said
+    else:
+        assert "warms no step shape" in said, said
+
+
+def test_reachable_shapes_follow_the_requests() -> None:
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    from accelerate_neuron.builtin.serving import warm_grid
+
+    plan = serving_plan.ServingPlan((32, 64, 512), (512, 1024, 2048), 16384)
+    grid = plan.grid(512, 16384)
+    assert grid == [(q, kv) for q in (32, 64, 512) for kv in (512, 1024, 2048, 16384)]
+    hints = WorkloadHints(max_prompt_length=40, max_generated_length=20, num_requests=16)
+    reach = warm_grid.from_hints(hints)
+    assert reach == warm_grid.Reach(query_tokens=640, kv_tokens=960)
+    reachable = plan.grid(512, 16384, reach.query_tokens, reach.kv_tokens)
+    assert reachable == [(q, kv) for q in (32, 64, 512) for kv in (512, 1024)]
+    one = warm_grid.from_hints(WorkloadHints(max_prompt_length=10, max_generated_length=5, num_requests=1))
+    assert plan.grid(512, 16384, one.query_tokens, one.kv_tokens) == [(32, 512)]
+    server = warm_grid.from_hints(None)  # a server: everything
+    assert server == warm_grid.Reach(None, None) and plan.grid(512, 16384, None, None) == grid
+    shapes, why = warm_grid.choose(grid, reachable)
+    assert shapes == sorted(reachable, key=lambda s: (s[1], s[0])) and "the 6 a step of these requests" in why
+
+
 # --- the plan: buckets, settings, hook, the cache's size ----------------------------------------------------------
 
 
@@ -369,7 +438,9 @@ def test_precompile_warms_generate_batch_then_the_run_compiles_nothing(qwen: str
     assert proc.returncode == 0, proc.stderr[-4000:]
     warm = last_json(proc.stdout)
     assert warm["exit_codes"] == [0, 0] and not warm["warnings"], warm
-    assert warm["shapes_by_kind"] == {"continuous_batching": len(GRID)} and warm["warmed"] == len(GRID), warm
+    # The shapes these 8 requests can reach: at most 8 x (longest prompt + 10) KV tokens, under the 1024 bucket.
+    reachable = len({(q, kv) for q, kv in GRID if kv == 1024})
+    assert warm["shapes_by_kind"] == {"continuous_batching": reachable} and warm["warmed"] == reachable, warm
     assert warm["graphs_compiled"] > 0
 
     proc = cli(["simulate", "--cores", "2", "--json", "--", *script], cache)

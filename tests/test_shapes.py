@@ -50,6 +50,14 @@ def test_power_of_two_lists_end_at_their_limit() -> None:
 
 
 @pytest.mark.one_pair
+def test_the_buckets_a_bounded_size_can_reach() -> None:
+    buckets = shapes.Buckets((32, 64, 128), "serving_token_buckets")
+    assert [buckets.reaching(n) for n in (1, 32, 33, 128)] == [(32,), (32,), (32, 64), (32, 64, 128)]
+    assert buckets.reaching(None) == buckets.reaching(500) == buckets  # unbounded, or beyond the largest: all
+    assert buckets.reaching(40).setting == "serving_token_buckets"
+
+
+@pytest.mark.one_pair
 def test_a_user_bucket_beyond_the_models_positions_is_capped_naming_both(monkeypatch, caplog) -> None:
     """Issue 34, finding 6: 100000 on a 256-position model used to pad prompts to 100000 (memory exhausted)."""
     monkeypatch.setenv(PROMPT_ENV, "64,100000")

@@ -39,6 +39,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "serving": "accelerate_neuron.builtin.serving",
     "warmup": "accelerate_neuron.builtin.warmup",
     "regions": "accelerate_neuron.builtin.regions",
+    "tracing": "accelerate_neuron.builtin.tracing",
 }
 
 

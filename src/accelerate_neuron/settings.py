@@ -188,6 +188,16 @@ def parse_regions(value: Any) -> str:
     return text
 
 
+def parse_warmup_shapes(value: Any) -> str | int:
+    """``serving_warmup_shapes``: ``auto``, ``all`` or a number of step shapes (0: no warm-up)."""
+    if isinstance(value, bool):
+        raise ValueError("")
+    text = _words(value)
+    if text in ("auto", "all"):
+        return text
+    return parse_count(text)
+
+
 _LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -196,6 +206,13 @@ def parse_level(value: Any) -> str:
     if text not in _LEVELS:
         raise ValueError("")
     return text.upper()
+
+
+def parse_fsdp_implementation(value: Any) -> str:
+    text = _words(value)
+    if text not in ("auto", "fully_shard"):
+        raise ValueError("")
+    return text
 
 
 def parse_moe_experts(value: Any) -> str:
@@ -527,6 +544,18 @@ SETTINGS: tuple[Setting, ...] = (
         "Calls of a compiled model before a new graph counts as a recompile and is warned about.",
         "training",
     ),
+    Setting(
+        "fsdp_implementation",
+        parse_fsdp_implementation,
+        "auto",
+        "`auto` or `fully_shard`",
+        "FSDP of `DistributedConfig(fsdp_size=N)` on Neuron: `auto` keeps each parameter sharded as a DTensor "
+        "gathered inside the compiled step (all-gathers and reduce-scatters traced into it: one forward and one "
+        "backward graph per step), where it applies (not with expert parallelism, HSDP, pipeline parallelism, CPU "
+        "offload or FSDP's mixed-precision policy); `fully_shard`: upstream's FSDP2, whose hooks end a graph at "
+        "every FSDP unit.",
+        "training",
+    ),
     # --- continuous batching (generate_batch, init_continuous_batching, `transformers serve --continuous-batching`)
     Setting(
         "serving_token_buckets",
@@ -562,6 +591,18 @@ SETTINGS: tuple[Setting, ...] = (
         "does not fit is an error.",
         "serving",
         hook="neuron_serving_shape_policy",
+    ),
+    Setting(
+        "serving_warmup_shapes",
+        parse_warmup_shapes,
+        "auto",
+        "`auto`, `all`, or a number of step shapes (`0`: no warm-up)",
+        "Which (query tokens, KV tokens) step shapes continuous batching's warm-up compiles, each a graph: `auto`, "
+        "the shapes a step can reach (from the requests' number, longest prompt and max_new_tokens when "
+        "generate_batch knows them; else the whole grid); `all`, the whole grid; N, at most N of the reachable "
+        "ones, smallest first (the others compile when a step first needs them). The grid and its estimated "
+        "compile time are logged before warming.",
+        "serving",
     ),
     # --- the compile cache shared by a fleet
     Setting(

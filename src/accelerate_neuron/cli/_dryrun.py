@@ -322,18 +322,31 @@ def graphs_by_region(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _short_location(text: str) -> str:
-    """``/long/site-packages/accelerate/hooks.py:50: why`` -> ``accelerate/hooks.py:50: why``."""
+    """``/venv/lib/site-packages/accelerate/hooks.py:50: why`` -> ``accelerate/hooks.py:50: why``."""
     match = re.match(r"^(.*?):(\d+): ", text)
     if not match:
         return text
-    parts = Path(match.group(1)).parts
-    return "/".join(parts[-2:]) + text[len(match.group(1)) :]
+    path = match.group(1)
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in path:
+            return path.rsplit(marker, 1)[1] + text[len(path) :]
+    parts = Path(path).parts
+    return "/".join(parts[-2:]) + text[len(path) :]
 
 
 def _graph_breaks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Where Dynamo had to end a graph (each break splits the model into more NEFFs), most frequent first."""
+    """Where Dynamo had to end a graph (each break splits the code into more NEFFs), most frequent first.
+
+    From the breaks the simulator saw Dynamo meet (every one, with the compiled function it was tracing), or for
+    an older record, from the graphs that a break ended.
+    """
     counts: Counter[tuple[str | None, str]] = Counter()
     for record in records:
+        seen = record.get("stats", {}).get("graph_breaks")
+        if seen is not None:
+            for b in seen:
+                counts[(b.get("function"), _short_location(f"{b['where']}: {b['reason']}"))] += int(b["count"])
+            continue
         for entry in _dynamo_graphs(record.get("stats", {}).get("graphs", [])):
             graph_break = (entry.get("frame_info") or {}).get("graph_break")
             if graph_break:
@@ -341,6 +354,77 @@ def _graph_breaks(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         {"function": function, "where": where, "graphs": n} for (function, where), n in counts.most_common(TOP_CAUSES)
     ]
+
+
+def _breaks_by_function(records: list[dict[str, Any]]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for record in records:
+        for b in record.get("stats", {}).get("graph_breaks") or []:
+            where = _short_location(f"{b['where']}: {b['reason']}")
+            listed = found.setdefault(str(b.get("function")), [])
+            if where not in listed:
+                listed.append(where)
+    return found
+
+
+def _phase(function: str, pieces: list[dict[str, Any]]) -> str:
+    """What a step of a compiled function is: a training step, a serving step, generate()'s prefill or decode."""
+    if any(p.get("kind") == "backward" for p in pieces):
+        return "training step"
+    if function.startswith("_forward_process_and_sample"):
+        return "serving step"
+    tokens = next((p["tokens"] for p in pieces if p.get("tokens") is not None), None)
+    if tokens == 1:
+        return "decode step"
+    return "prefill / forward" if tokens else "step"
+
+
+def graphs_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per compiled function and kind of step: the graphs one step launches, and the breaks that split it.
+
+    A step of inference is one graph at best; a training step two (its forward and its backward). Each graph
+    beyond that is one more NEFF launch and one more device->host->device hop, on every step.
+    """
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    traced = _breaks_by_function(records)
+    for record in records:
+        for group in record.get("stats", {}).get("steps", []):
+            pieces = group.get("pieces") or []
+            function = str(group.get("function"))
+            phase = _phase(function, pieces)
+            row = rows.setdefault(
+                (function, phase),
+                {
+                    "function": function,
+                    "phase": phase,
+                    "expected": 2 if phase == "training step" else 1,
+                    "graphs_per_step": 0,
+                    "steps": 0,
+                    "shapes": set(),
+                    "processes": set(),
+                    "pieces": [],
+                    "breaks": [],
+                },
+            )
+            row["steps"] += int(group.get("steps", 0))
+            row["shapes"].add(str(group.get("first_graph")))
+            row["processes"].add(_process_label(record))
+            typical = int(group.get("graphs_per_step", 0))
+            if typical > row["graphs_per_step"]:
+                row["graphs_per_step"], row["pieces"] = typical, [function_label(p) or "?" for p in pieces]
+            found = traced.get(function) or [_short_location(p["graph_break"]) for p in pieces if p.get("graph_break")]
+            row["breaks"].extend(b for b in found if b not in row["breaks"])
+    out = []
+    for row in rows.values():
+        out.append(
+            {
+                **row,
+                "shapes": len(row["shapes"]),
+                "processes": len(row["processes"]),
+                "extra": max(0, row["graphs_per_step"] - row["expected"]),
+            }
+        )
+    return sorted(out, key=lambda r: (-r["extra"], r["function"], r["phase"]))
 
 
 def _eager(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -542,5 +626,6 @@ def build_report(
         "backend": _backend(active),
         "estimate": estimate,
         "graph_breaks": _graph_breaks(active),
+        "graphs_per_step": graphs_per_step(active),
         "recompile_causes": _merge_causes([recompile_causes(r.get("stats", {}).get("graphs", [])) for r in active]),
     }

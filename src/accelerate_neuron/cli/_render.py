@@ -9,6 +9,7 @@ from ._common import duration, plural, size
 
 MAX_PLACEMENT_LINES = 12
 TOP_FALLBACK_OPS = 8
+TOP_BREAKS = 6
 
 
 def placement_lines(model: dict[str, Any], indent: str = "    ") -> list[str]:
@@ -156,6 +157,31 @@ def _breaks(report: dict[str, Any]) -> list[str]:
     for b in breaks:
         lines.append(f"  {b['graphs']} x in {b['function'] or '?'}")
         lines.append(f"    {b['where']}")
+    return lines
+
+
+def _steps(report: dict[str, Any]) -> list[str]:
+    rows = report.get("graphs_per_step") or []
+    if not rows:
+        return []
+    lines = _section(
+        "Graphs per step (each graph a NEFF launch; between two, a device->host->device hop, on every step)"
+    )
+    for row in rows:
+        where = f", in {plural(row['processes'], 'process', 'processes')}" if row["processes"] > 1 else ""
+        target = "forward + backward" if row["expected"] == 2 else "one graph"
+        lines.append(
+            f"  {row['phase']}, {row['function']}: {plural(row['graphs_per_step'], 'graph')} per step "
+            f"({plural(row['steps'], 'step')}, {plural(row['shapes'], 'step shape')}{where})"
+        )
+        if row["extra"]:
+            lines.append(
+                f"    ! {row['extra']} more than {target}: {plural(row['extra'], 'extra launch', 'extra launches')} "
+                "and host round trips per step"
+            )
+            lines.extend(f"    break: {b}" for b in row["breaks"][:TOP_BREAKS])
+            if not row["breaks"]:
+                lines.append("    pieces: " + " -> ".join(row["pieces"][:8]))
     return lines
 
 
@@ -314,6 +340,6 @@ def render_dryrun(report: dict[str, Any]) -> str:
         f"device->device {size(report['d2d_bytes'])}"
     )
     lines += _fallbacks(report) + _host_op_graphs(report) + _moe(report) + _speculation(report)
-    lines += _causes(report) + _breaks(report)
+    lines += _causes(report) + _steps(report) + _breaks(report)
     lines += _estimate(report)
     return "\n".join(lines)

@@ -139,6 +139,7 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
             distributed,
             eager_cache,
             random_ops,
+            steps,
             torch_neuronx_shim,
         )
 
@@ -161,6 +162,7 @@ def install(cores: int = 2, hbm: str | int = DEFAULT_HBM) -> None:
         eager_cache.settle_at_exit(_signatures)
         torch_neuronx_shim.install_finder()
         when_imported("torch._dynamo", compile_backend.register)
+        when_imported("torch._dynamo", steps.install)
         when_imported("torch.distributed", distributed.register)
         logger.info("simulated Neuron device installed: %d core(s) x %d bytes", cores, hbm_bytes)
 
@@ -203,12 +205,14 @@ def stats() -> dict[str, Any]:
     back (included in ``d2h_bytes`` / ``h2d_bytes``), by op in
     ``cpu_fallback_ops``; per-core ``memory_allocated``
     and ``max_memory_allocated`` (keyed by visible core index);
-    ``compile_cache``: where the NEFF cache is and whether it is on.
+    ``compile_cache``: where the NEFF cache is and whether it is on;
+    ``steps``: graphs per step, per compiled function and step shape, and
+    ``graph_breaks``: where Dynamo broke graphs and why (:mod:`.steps`).
 
     Reading the stats settles the eager signatures run since the last call
     against the NEFF cache (see :mod:`.eager_cache`).
     """
-    from . import compile_backend, cpu_fallback, eager_cache, neff_cache
+    from . import compile_backend, cpu_fallback, eager_cache, neff_cache, steps
     from .runtime import state as get_state
 
     state = get_state()
@@ -223,6 +227,8 @@ def stats() -> dict[str, Any]:
         "compile_cache_hits": loaded,
         "graphs": graphs,
         "dynamo_graphs": compile_backend.dynamo_graph_count(),
+        "steps": steps.records(graphs),
+        "graph_breaks": steps.breaks(),
         "eager_signatures": len(signatures),
         "eager_signature_list": signatures,
         "eager_cache_hits": eager_hits,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..compile_cache import keys, outcomes
-from . import graph_key, neff_cache
+from . import graph_key, neff_cache, steps
 from .runtime import state
 
 logger = logging.getLogger(__name__)
@@ -160,6 +160,7 @@ def _make_compiler(kind: str, dynamo_index: int, context: dict[str, Any], option
         lib = state().lib
 
         def run(args: list[Any]) -> Any:
+            steps.note_launch(record["index"], record["compile_id"], kind)
             lib.nsim_suspend_counting(1)
             try:
                 return gm(*args)
@@ -226,6 +227,7 @@ def dynamo_graph_count() -> int:
 
 def reset() -> None:
     global _dynamo_graphs, _metrics_start
+    steps.reset()
     with _lock:
         _graphs.clear()
         _dynamo_graphs = 0

@@ -112,6 +112,18 @@ def neuron_patches() -> list[Patch]:
             name="serving.cache_update",
         ),
         Patch(
+            f"{CB}.cache",
+            "PagedAttentionCache.update",
+            cache_update.wrap_paged_update,
+            reason="the paged cache's update is traced into the step on Neuron (upstream wraps it in "
+            "torch.compiler.disable: a graph break per layer, so a step was 2 x layers + 1 graphs with a host round "
+            "trip between each); one graph per (query, KV) bucket",
+            lacking=_LACKING,
+            params=("self", "key_states", "value_states", "layer_idx", "kwargs"),
+            needed=plan.without_step_padding,
+            name="serving.traced_cache_update",
+        ),
+        Patch(
             f"{CB}.continuous_api",
             "ContinuousBatchingManager.add_request",
             wrappers.wrap_add_request,

@@ -90,9 +90,16 @@ class ServingPlan:
         """KV tokens a step reading ``tokens`` is padded to (upstream reads one interval even when 0)."""
         return self.kv_grid(capacity).pad_to(max(tokens, 1), "continuous batching", "step of KV tokens")
 
-    def grid(self, budget: int, capacity: int) -> list[tuple[int, int]]:
-        """Every (query tokens, KV tokens) shape a step can have: what a warm-up compiles."""
-        return [(q, kv) for q in self.token_grid(budget) for kv in self.kv_grid(capacity)]
+    def grid(
+        self, budget: int, capacity: int, max_tokens: int | None = None, max_kv: int | None = None
+    ) -> list[tuple[int, int]]:
+        """Every (query tokens, KV tokens) shape a step can have: what a warm-up compiles. ``max_tokens`` and
+        ``max_kv`` bound a step's query and KV tokens (None: unbounded): only the buckets those reach."""
+        return [
+            (q, kv)
+            for q in self.token_grid(budget).reaching(max_tokens)
+            for kv in self.kv_grid(capacity).reaching(max_kv)
+        ]
 
 
 def kv_bytes_per_token(config: Any) -> int:

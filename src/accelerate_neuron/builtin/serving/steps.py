@@ -6,8 +6,9 @@
   the graph (``torch.compiler.disable``), only ever see the bucket grid.
 - ``ModelRunner.warmup``: upstream warms the largest shape only (CUDA graphs
   grow from it); on Neuron every shape of the grid is a compile, so the warm-up
-  runs one step per (query bucket, KV bucket): a warm server then compiles
-  nothing. In a ``precompile`` worker each shape is claimed through the
+  runs one step per (query bucket, KV bucket) a step can reach (:mod:`.warm_grid`:
+  announced with its cost first, capped by ``serving_warmup_shapes``): a warm
+  server then compiles nothing. In a ``precompile`` worker each shape is claimed through the
   warm-up session, so ``--jobs N`` splits the grid.
 - ``ModelRunner.compute_batch``: after that warm-up, a step that still compiles
   is warned about once per shape (it stalls every request for minutes on Neuron).
@@ -26,13 +27,14 @@ from .. import compile_counter
 from .. import precompile_session as session
 from ..model_tag import model_tag
 from ..shapes import make_room_for_buckets
+from . import cache_update, warm_grid
 from . import plan as serving_plan
 
 logger = logging.getLogger(__name__)
 
 _WARMED = "_accelerate_neuron_warmed_grid"
-#: Graphs a step shape adds on a cold cache, for precompile's ETA: the attention between two cache updates depends
-#: on the KV bucket; the other pieces are shared across KV buckets, and identical layers' pieces are one graph.
+#: Graphs a step shape adds on a cold cache (precompile's ETA, the warm-up's estimate): the paged cache's update is
+#: traced into the step (:mod:`.cache_update`), so a step is one graph.
 GRAPHS_PER_SHAPE = 1
 
 
@@ -61,20 +63,23 @@ def wrap_maybe_pad_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
     return maybe_pad_inputs
 
 
-def grid(runner: Any) -> list[tuple[int, int]]:
-    """The (query tokens, KV tokens) shapes a runner's steps can have."""
+def grid(runner: Any, reach: warm_grid.Reach | None = None) -> list[tuple[int, int]]:
+    """The (query tokens, KV tokens) shapes a runner's steps can have (within ``reach``: of that workload)."""
     plan = _plan(runner)
     if plan is None:
         return []
-    return plan.grid(runner.cache.max_batch_tokens, runner.cache.max_tokens_read)
+    reach = reach or warm_grid.Reach(None, None)
+    return plan.grid(runner.cache.max_batch_tokens, runner.cache.max_tokens_read, reach.query_tokens, reach.kv_tokens)
 
 
 def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def warmup(self: Any, model: Any) -> Any:
-        shapes = grid(self)
-        if not shapes:
+        full = grid(self)
+        if not full:
             return original(self, model)
+        shapes, why = warm_grid.choose(full, grid(self, warm_grid.reach_of(self.cb_config)))
+        warm_grid.announce(shapes, why, GRAPHS_PER_SHAPE)
         warm = session.current()
         started = time.perf_counter()
         before = compile_counter.compile_count() if compile_counter.ensure_compile_counter() else None
@@ -112,6 +117,7 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_compute_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+        cache_update.prepare(self.cache)  # eagerly, before the step is traced: it updates the cache inline
         warmed = getattr(self, _WARMED, None)
         if not warmed or not compile_counter.ensure_compile_counter():
             return original(self, model, batch_data)

@@ -28,6 +28,7 @@ from ... import device as neuron_device
 from ... import logs
 from ..model_devices import model_device
 from . import plan as serving_plan
+from . import warm_grid
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def wrap_resolve_config(original: Callable[..., Any]) -> Callable[..., Any]:
         if plan.compiled and resolved.varlen_compile_config is None:
             plan = replace(plan, compiled=False)  # e.g. a flash attention varlen path upstream does not compile
         setattr(resolved, serving_plan.PLAN_ATTR, plan)
+        warm_grid.note(resolved, bound.arguments.get("workload_hints"))
         if plan.compiled:
             _announce(plan, resolved)
         return resolved
@@ -63,8 +65,8 @@ def _announce(plan: serving_plan.ServingPlan, resolved: Any) -> None:
         logger,
         "serving.plan",
         "accelerate_neuron: continuous batching on Neuron pads each step to query-token buckets (%s) and KV buckets "
-        "(%s), compiles the step with the 'neuron' backend and warms every shape up front, so a warm server compiles "
-        "nothing; its KV cache holds %d tokens. Settings: %s, %s, %s (off: upstream's eager path).",
+        "(%s), compiles the step with the 'neuron' backend and warms the shapes a step can reach up front, so a warm "
+        "server compiles nothing; its KV cache holds %d tokens. Settings: %s, %s, %s (off: upstream's eager path).",
         ", ".join(map(str, tokens)),
         ", ".join(map(str, plan.kv_grid(capacity))),
         capacity,

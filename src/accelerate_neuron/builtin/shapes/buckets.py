@@ -75,6 +75,12 @@ class Buckets(tuple[int, ...]):
             ",".join(map(str, self)),
         )
 
+    def reaching(self, size: int | None) -> Buckets:
+        """The buckets a size of at most ``size`` can be padded to: up to the one holding ``size`` (all of them when
+        ``size`` is None, unbounded, or beyond the largest)."""
+        top = None if size is None else self.at_least(size)
+        return self if top is None else Buckets(tuple(b for b in self if b <= top), self.setting)
+
     def capped(self, limit: int | None, limit_name: str = "max_position_embeddings", warn: bool = True) -> Buckets:
         """These buckets up to ``limit`` (what the model can address): larger ones give way to ``limit`` itself.
 

@@ -74,7 +74,8 @@ def neuron_patches() -> list[Patch]:
             "TrainingArguments.__post_init__",
             args.wrap_post_init,
             reason="on Neuron: fp16 refused with a pointer to bf16, torch_compile_backend defaults to "
-            "neuron_compile_config('train'), dataloader_drop_last defaults to True with torch_compile",
+            "neuron_compile_config('train'), dataloader_drop_last defaults to True with torch_compile, gradient "
+            "checkpointing under torch_compile is non-reentrant unless use_reentrant is set",
             lacking="every release (4.x: the backend defaults to inductor)",
             params=("self",),
         ),

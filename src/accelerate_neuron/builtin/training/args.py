@@ -10,6 +10,10 @@ What each Transformers release lacks (read from their sources):
   inside ``Accelerator.__init__``, with a message that does not mention bf16;
   1.16 accepts it (see :mod:`.precision` for why it is refused here).
 - No release makes the last batch static (``dataloader_drop_last``).
+- 4.x checkpoints layers with ``use_reentrant=True`` unless told otherwise (5.x and TRL pick
+  ``False``). Under ``torch_compile`` on torch 2.13, Dynamo traces the reentrant checkpoint's
+  autograd.Function under no_grad: the loss comes out without a gradient and ``backward`` fails.
+  On Neuron with ``torch_compile``, an unset ``use_reentrant`` becomes ``False``.
 
 A user's explicit choice always wins. To know which fields were passed
 explicitly (their values may equal the defaults), the ``__init__`` of
@@ -109,6 +113,7 @@ def wrap_post_init(original: Any) -> Any:
         original(self)
         if neuron:
             _default_drop_last(self)
+            _default_non_reentrant(self)
 
     return __post_init__
 
@@ -144,6 +149,15 @@ def _default_drop_last(args: Any) -> None:
             "training batch is one more compiled graph. Evaluation still sees every sample. To keep the last batch, "
             "pass dataloader_drop_last=False.",
         )
+
+
+def _default_non_reentrant(args: Any) -> None:
+    if not (args.torch_compile and args.gradient_checkpointing):
+        return
+    chosen = dict(args.gradient_checkpointing_kwargs or {})
+    if "use_reentrant" in chosen:
+        return
+    args.gradient_checkpointing_kwargs = {**chosen, "use_reentrant": False}
 
 
 # ------------------------------------------------------------ device (4.x)

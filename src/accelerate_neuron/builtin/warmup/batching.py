@@ -39,12 +39,15 @@ def wrap_generate_batch(original: Callable[..., Any]) -> Callable[..., Any]:
             return {}
         config = arguments.get("generation_config") or self.generation_config
         new = (arguments.get("kwargs") or {}).get("max_new_tokens", getattr(config, "max_new_tokens", None)) or 0
+        # The real call's workload hints: the warm-up then covers the step shapes the real call can reach.
+        hints = _hints(inputs, new, getattr(config, "num_return_sequences", None) or 1)
         with self.continuous_batching_context_manager(
             generation_config=arguments.get("generation_config"),
             continuous_batching_config=arguments.get("continuous_batching_config"),
             block=True,
             timeout=5,
             warmup=True,
+            **({"workload_hints": hints} if hints is not None else {}),
         ):
             pass
         pad = filler_id(config)
@@ -59,3 +62,16 @@ def wrap_generate_batch(original: Callable[..., Any]) -> Callable[..., Any]:
         }
 
     return generate_batch
+
+
+def _hints(inputs: Any, new: int, returns: int) -> Any:
+    """Upstream's ``WorkloadHints`` for these inputs, as ``generate_batch`` builds them (None: a release without)."""
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError:
+        return None
+    return WorkloadHints(
+        max_prompt_length=max(len(ids) for ids in inputs),
+        max_generated_length=new,
+        num_requests=len(inputs) * returns,
+    )
