@@ -1,0 +1,395 @@
+"""Sampling on the device: logits processors and the draw in a compiled graph, one token id per row to the host.
+
+On fixed logits, the device's processed scores and warped distribution are upstream's (Transformers'
+own processor objects, applied on the host) to float32 rounding, on both ways of warping (the 256
+candidates, the whole vocabulary); the draws follow the distribution (a chi-square test, fixed seed);
+``generate()`` sends one id per row per step, reproduces under a seed, equals greedy with ``top_k=1``,
+compiles one sampling graph for every prompt length and parameter value; continuous batching samples
+requests with different temperatures in its compiled step. The device's random numbers are not the
+CPU's, so sampled tokens are compared with themselves (seeds), never with the CPU's; greedy ones are
+the CPU's.
+"""
+
+# ruff: noqa: F811 - the fixtures imported from test_generation are parameters of the tests below
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+
+import pytest
+import torch
+from transformers.generation import logits_process as lp
+
+from accelerate_neuron import simulator, tiny
+from accelerate_neuron.builtin.generation import sampling as gsampling
+from accelerate_neuron.builtin.generation import shapes
+from accelerate_neuron.builtin.sampling import ops, step
+from accelerate_neuron.builtin.sampling import program as sprogram
+from test_generation import QWEN, _clean_dynamo, model, on, reference, tok  # noqa: F401 - shared fixtures
+
+WORDS = tiny.CORPUS.split()
+VOCAB = 1000  # above the 256 candidates, so both ways of warping are exercised
+#: The issue's sampling settings.
+SAMPLE = {"do_sample": True, "top_k": 50, "top_p": 0.9, "temperature": 0.7}
+
+
+def prompt(words: int, offset: int = 0) -> str:
+    return " ".join(WORDS[(offset + i) % len(WORDS)] for i in range(words))
+
+
+def fixed_logits(rows: int = 3, vocab: int = VOCAB, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn((rows, vocab), generator=gen) * 3
+    ids = torch.randint(3, 40, (rows, 14), generator=gen)  # a small id range: repeats for the penalties and n-grams
+    return logits, ids
+
+
+def on_device(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to("neuron") for k, v in tensors.items()}
+
+
+def device_translation(processors, ids, vocab=VOCAB, greedy=False, candidates=256, max_length=40):
+    return sprogram.translate(
+        processors, sprogram.Context(vocab, ids), greedy=greedy, candidates=candidates, max_length=max_length
+    )
+
+
+# --- the device's arithmetic is upstream's, on fixed logits ------------------------------------------
+
+
+WARPER_CASES = {
+    # case: (processors, the way the device warps)
+    "temperature, top_k 50, top_p 0.9 (the issue's)": (
+        [lp.TemperatureLogitsWarper(0.7), lp.TopKLogitsWarper(50), lp.TopPLogitsWarper(0.9)],
+        "candidates",
+    ),
+    "top_k 256, the bound": ([lp.TopKLogitsWarper(256), lp.TopPLogitsWarper(0.99)], "candidates"),
+    "top_k 40, min_p 0.1": ([lp.TopKLogitsWarper(40), lp.MinPLogitsWarper(0.1)], "candidates"),
+    "top_p 0.9 alone (no top_k)": ([lp.TopPLogitsWarper(0.9)], "vocabulary"),
+    "top_k 257, above the bound, top_p 0.95": (
+        [lp.TemperatureLogitsWarper(1.3), lp.TopKLogitsWarper(257), lp.TopPLogitsWarper(0.95)],
+        "vocabulary",
+    ),
+    "top_k 600 alone": ([lp.TopKLogitsWarper(600)], "vocabulary"),
+    "temperature, min_p 0.05": ([lp.TemperatureLogitsWarper(0.8), lp.MinPLogitsWarper(0.05)], "vocabulary"),
+    "plain multinomial": ([], "vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", list(WARPER_CASES))
+def test_warped_distribution_equals_the_hosts(case):
+    processors, way = WARPER_CASES[case]
+    logits, ids = fixed_logits()
+    host = lp.LogitsProcessorList(processors)(ids.clone(), logits.clone()).softmax(dim=-1)
+    t = device_translation(processors, ids)
+    assert t.program.path == way
+    device = step.distribution(t.program, logits.to("neuron"), on_device(t.params), on_device(t.state)).cpu()
+    assert torch.equal(device > 0, host > 0), case  # the same tokens kept
+    torch.testing.assert_close(device, host, rtol=0, atol=1e-6)
+
+
+def test_top_p_alone_is_exact_where_the_anchors_would_truncate():
+    """A flat row: the nucleus of top_p=0.9 holds ~900 tokens, far more than 256 candidates would."""
+    logits = torch.randn((2, VOCAB), generator=torch.Generator().manual_seed(3)) * 0.05
+    ids = torch.zeros((2, 1), dtype=torch.long)
+    processors = [lp.TopPLogitsWarper(0.9)]
+    host = lp.LogitsProcessorList(processors)(ids, logits.clone()).softmax(dim=-1)
+    t = device_translation(processors, ids)
+    device = step.distribution(t.program, logits.to("neuron"), on_device(t.params), on_device(t.state)).cpu()
+    assert (host > 0).sum(dim=-1).min() > 800
+    assert torch.equal(device > 0, host > 0)
+    torch.testing.assert_close(device, host, rtol=0, atol=1e-6)
+
+
+def _stage_cases(ids: torch.Tensor) -> dict[str, list]:
+    last = int(ids[0, -1])
+    return {
+        "repetition_penalty": [lp.RepetitionPenaltyLogitsProcessor(1.3)],
+        "repetition_penalty, prompt_ignore_length": [lp.RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=6)],
+        "no_repeat_ngram_size 2": [lp.NoRepeatNGramLogitsProcessor(2)],
+        "no_repeat_ngram_size 3": [lp.NoRepeatNGramLogitsProcessor(3)],
+        "bad_words_ids (one and several tokens)": [lp.NoBadWordsLogitsProcessor([[5], [last, 7], [3, 4, 9]], 2)],
+        "sequence_bias": [lp.SequenceBiasLogitsProcessor([[[last, 11], 4.0], [[12], -2.5], [[8, 9, 10], 1.5]])],
+        "min_length": [lp.MinLengthLogitsProcessor(16, 2)],
+        "min_new_tokens": [lp.MinNewTokensLengthLogitsProcessor(14, 2, [2, 3])],
+        "suppress_tokens": [lp.SuppressTokensLogitsProcessor([11, 12, 5000])],
+        "begin_suppress_tokens": [lp.SuppressTokensAtBeginLogitsProcessor([2, 13], 15)],
+        "forced_eos_token_id": [lp.ForcedEOSTokenLogitsProcessor(17, 2)],
+        "remove_invalid_values, then penalties": [
+            lp.InfNanRemoveLogitsProcessor(),
+            lp.RepetitionPenaltyLogitsProcessor(0.7),
+            lp.NoRepeatNGramLogitsProcessor(2),
+        ],
+    }
+
+
+@pytest.mark.parametrize("case", list(_stage_cases(torch.zeros((1, 1), dtype=torch.long))))
+def test_full_vocabulary_processors_equal_the_hosts_step_after_step(case):
+    """Each processor's scores, then again after three tokens were appended (the state the device carries)."""
+    logits, ids = fixed_logits()
+    processors = _stage_cases(ids)[case]
+    if case.startswith("remove_invalid"):
+        logits[0, 3], logits[1, 4], logits[2, 5] = float("nan"), float("inf"), float("-inf")
+    t = device_translation(processors, ids)
+    program, params, state = t.program, on_device(t.params), on_device(t.state)
+    assert program.stages and program.path == "vocabulary"
+    for appended in ([], [4], [7], [9]):  # lengths 14 to 17: every step-dependent processor switches
+        for token in appended:  # the device's state moves on with the token; the host's ids grow by it
+            state = step.advance(state, torch.full((ids.shape[0],), token, device="neuron"))
+            ids = torch.cat([ids, torch.full((ids.shape[0], 1), token)], dim=1)
+        host = lp.LogitsProcessorList(processors)(ids.clone(), logits.clone())
+        device = step.processed(program, logits.to("neuron"), params, state).cpu()
+        assert torch.equal(torch.isneginf(device), torch.isneginf(host)), (case, ids.shape[1])
+        torch.testing.assert_close(device, host, rtol=0, atol=0, equal_nan=True, msg=f"{case}, {ids.shape[1]}")
+
+
+def test_greedy_with_processors_picks_the_hosts_argmax():
+    logits, ids = fixed_logits()
+    processors = [lp.RepetitionPenaltyLogitsProcessor(1.3), lp.SuppressTokensLogitsProcessor([0, 1])]
+    t = device_translation(processors, ids, greedy=True)
+    chosen, _ = step.compiled(t.program)(logits.to("neuron"), on_device(t.params), on_device(t.state))
+    assert chosen.cpu().tolist() == lp.LogitsProcessorList(processors)(ids, logits.clone()).argmax(-1).tolist()
+
+
+@pytest.mark.one_pair
+@pytest.mark.parametrize("way", ["candidates", "vocabulary"])
+def test_draws_follow_the_distribution(way):
+    """Chi-square of 40,000 draws (fixed seed: the same draws every run) against the warped distribution."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0] + [-30.0] * 292])
+    cut = lp.TopKLogitsWarper(7) if way == "candidates" else lp.TopPLogitsWarper(0.97)
+    processors = [lp.TemperatureLogitsWarper(0.9), cut]
+    rows = 4000
+    t = device_translation(processors, torch.zeros((rows, 1), dtype=torch.long), vocab=300, candidates=8)
+    assert t.program.path == way
+    expected = lp.LogitsProcessorList(processors)(torch.zeros((1, 1), dtype=torch.long), logits.clone()).softmax(-1)
+    sample = step.compiled(t.program)
+    params, state = on_device(t.params), on_device(t.state)
+    torch.manual_seed(1234)
+    counts = torch.zeros(300)
+    for _ in range(10):
+        chosen, _ = sample(logits.expand(rows, -1).contiguous().to("neuron"), params, state)
+        counts += torch.bincount(chosen.cpu(), minlength=300).float()
+    kept = expected[0] > 1e-4
+    assert counts[~kept].sum() <= 2  # the -30 logits (probability ~1e-14) and the token top-k drops: never
+    n = counts.sum()
+    observed, wanted = counts[kept], expected[0, kept] * n
+    chi2 = float(((observed - wanted) ** 2 / wanted).sum())
+    dof = int(kept.sum()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
+    assert p_value > 1e-3, (chi2, dof, observed.tolist(), wanted.tolist())
+
+
+def test_the_top_k_bound_decides_the_way_and_is_a_setting(monkeypatch):
+    _, ids = fixed_logits()
+
+    def way(processors, vocab=VOCAB, candidates=256):
+        return device_translation(processors, ids, vocab=vocab, candidates=candidates).program.path
+
+    assert way([lp.TopKLogitsWarper(256), lp.TopPLogitsWarper(0.9)]) == "candidates"
+    assert way([lp.TopKLogitsWarper(257), lp.TopPLogitsWarper(0.9)]) == "vocabulary"
+    assert way([lp.TopPLogitsWarper(0.9)]) == "vocabulary"
+    assert way([lp.TopPLogitsWarper(0.9)], vocab=200) == "candidates"  # a vocabulary within the bound: all of it
+    assert way([lp.TopKLogitsWarper(300)], candidates=512) == "candidates"
+    monkeypatch.setenv(gsampling.TOPK_ENV, "5000")
+    with pytest.raises(ValueError, match=r"ACCELERATE_NEURON_SAMPLING_TOPK=.5000.*1 to 4096"):
+        gsampling.settings.get("sampling_topk")
+
+
+def test_processors_without_a_device_version_are_named():
+    assert sprogram.unsupported([lp.TemperatureLogitsWarper(0.7), lp.TypicalLogitsWarper(0.9)]) == "TypicalLogitsWarper"
+    assert "filter_value" in sprogram.unsupported([lp.TopKLogitsWarper(5, filter_value=-1e9)])
+    assert "min_tokens_to_keep" in sprogram.unsupported([lp.TopPLogitsWarper(0.9, min_tokens_to_keep=2)])
+    assert "after the warpers" in sprogram.unsupported([lp.TopKLogitsWarper(5), lp.SuppressTokensLogitsProcessor([1])])
+
+    class Custom(lp.TopKLogitsWarper):  # a subclass may compute something else: never taken for its base
+        pass
+
+    assert sprogram.unsupported([Custom(5)]) == "Custom"
+    assert sprogram.unsupported([lp.RepetitionPenaltyLogitsProcessor(1.2), lp.TopKLogitsWarper(5)]) is None
+
+
+# --- generate() ----------------------------------------------------------------------------------------
+
+
+def bytes_per_step(model, enc, **kwargs) -> tuple[float, dict]:
+    model.generate(**enc, max_new_tokens=2, **kwargs)  # graphs and cache compiled
+    simulator.reset_stats()
+    torch.manual_seed(0)
+    model.generate(**enc, max_new_tokens=4, **kwargs)
+    short = simulator.stats()
+    simulator.reset_stats()
+    torch.manual_seed(0)
+    model.generate(**enc, max_new_tokens=10, **kwargs)
+    long = simulator.stats()
+    assert long["compiles"] == short["compiles"] == 0
+    assert long["eager_signatures"] == short["eager_signatures"]  # nothing grows with the tokens
+    return (long["d2h_bytes"] - short["d2h_bytes"]) / 6, long
+
+
+def test_a_sampled_step_sends_one_id_per_row(sim, model, tok, monkeypatch):
+    """The issue's figure: 128,008 bytes a step for one row at a 32,000 vocabulary; here 2 rows of 512."""
+    enc = on(model.device, tok([prompt(6), prompt(9, 3)], return_tensors="pt", padding=True))
+    on_device, _ = bytes_per_step(model, enc, **SAMPLE)
+    assert on_device <= 2 * 8 + 8  # one int64 id per row, plus upstream's own 8-byte read (5.x)
+    monkeypatch.setenv(gsampling.DEVICE_SAMPLING_ENV, "0")
+    on_host, _ = bytes_per_step(model, enc, **SAMPLE)
+    assert on_host >= 2 * model.config.vocab_size * 4  # the float32 row of every prompt, every step
+
+
+def test_penalties_and_bans_run_on_the_device_and_match_cpu(sim, model, reference, tok):
+    enc = tok([prompt(7), prompt(4, 2)], return_tensors="pt", padding=True)
+    kwargs = {
+        "do_sample": False,
+        "repetition_penalty": 1.4,
+        "no_repeat_ngram_size": 2,
+        "bad_words_ids": [[7], [12, 30]],
+        "suppress_tokens": [5, 6],
+        "min_new_tokens": 5,
+        "eos_token_id": 2,
+    }
+    expected = reference.generate(**enc, max_new_tokens=10, **kwargs)
+    device_enc = on(model.device, enc)
+    out = model.generate(**device_enc, max_new_tokens=10, **kwargs)
+    assert torch.equal(out.cpu(), expected)
+    per_step, _ = bytes_per_step(model, device_enc, **kwargs)
+    assert per_step <= 2 * 8 + 8
+
+
+def test_sampling_with_top_k_1_is_greedy(sim, model, reference, tok):
+    enc = tok([prompt(5), prompt(12, 4)], return_tensors="pt", padding=True)
+    greedy = reference.generate(**enc, max_new_tokens=8, do_sample=False)
+    sampled = model.generate(**on(model.device, enc), max_new_tokens=8, do_sample=True, top_k=1, temperature=1.7)
+    assert torch.equal(sampled.cpu(), greedy)
+
+
+def test_seeds_reproduce_with_dummy_rows_and_differ_between_seeds(sim, model, tok):
+    enc = on(model.device, tok([prompt(6), prompt(11, 2), prompt(4, 5)], return_tensors="pt", padding=True))
+    kwargs = {**SAMPLE, "max_new_tokens": 8, "num_return_sequences": 2}  # 6 rows: a batch bucket of 8
+    runs = []
+    for seed in (11, 11, 12):
+        torch.manual_seed(seed)
+        runs.append(model.generate(**enc, **kwargs).cpu())
+    assert runs[0].shape == (6, enc["input_ids"].shape[1] + 8)
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+    torch.neuron.manual_seed(11)  # the device's own generator is what the draw reads
+    assert torch.equal(model.generate(**enc, **kwargs).cpu(), runs[0])
+
+
+def sampling_graphs(stats: dict) -> int:
+    return sum(1 for g in stats["graphs"] if (g.get("frame") or {}).get("function") == "sampling_step")
+
+
+def test_graphs_bounded_across_prompt_lengths_and_parameter_values(sim, reference, tok):
+    torch._dynamo.reset()
+    fresh = tiny.model("qwen3", **QWEN).to("neuron")
+    policy = shapes.resolve_policy(fresh.config.max_position_embeddings)
+    simulator.reset_stats()
+    buckets = set()
+    for words in (2, 5, 9, 14, 20, 27, 35, 44):  # 8 prompt lengths (2 to 76 tokens)
+        enc = tok([prompt(words)], return_tensors="pt")
+        buckets.add(policy.prompt_bucket(enc["input_ids"].shape[1]))
+        fresh.generate(**on(fresh.device, enc), max_new_tokens=4, **SAMPLE)
+    lengths = simulator.stats()
+    assert sampling_graphs(lengths) == 1  # one row, one vocabulary: one sampling graph for every prompt
+    # A prefill and a decode per prompt bucket (its cache bucket), and the sampler: nothing per length.
+    assert len(buckets) == 3 and lengths["compiles"] == 2 * len(buckets) + 1
+
+    enc = on(fresh.device, tok([prompt(9)], return_tensors="pt"))
+    fresh.generate(**enc, max_new_tokens=4, **SAMPLE)  # the cache upstream keeps is now the longest prompt's
+    simulator.reset_stats()
+    for temperature, top_p, top_k in [(0.3, 0.5, 10), (1.0, 0.95, 200), (1.6, 0.7, 3), (0.9, 0.99, 256)]:
+        fresh.generate(**enc, max_new_tokens=4, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    assert simulator.stats()["compiles"] == 0  # values are tensors (temperature 1.0 too): no graph per value
+
+
+def test_a_processor_without_a_device_version_keeps_the_host_path_and_is_named_once(sim, model, tok, caplog):
+    enc = on(model.device, tok([prompt(6)], return_tensors="pt"))
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        per_step, _ = bytes_per_step(model, enc, do_sample=True, typical_p=0.9)
+    assert per_step >= model.config.vocab_size * 4
+    named = [r for r in caplog.records if "TypicalLogitsWarper" in r.getMessage()]
+    assert len(named) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_scores_asked_for_keep_the_host_path(sim, model, reference, tok):
+    enc = tok([prompt(6)], return_tensors="pt")
+    kwargs = {**SAMPLE, "max_new_tokens": 4, "return_dict_in_generate": True, "output_scores": True}
+    torch.manual_seed(5)
+    expected = reference.generate(**enc, **kwargs)
+    torch.manual_seed(5)
+    out = model.generate(**on(model.device, enc), **kwargs)
+    assert torch.equal(out.sequences.cpu(), expected.sequences)  # the host path: the CPU's own draw
+    assert all(torch.allclose(a.cpu(), b, atol=1e-5) for a, b in zip(out.scores, expected.scores, strict=True))
+
+
+def test_device_sampling_off_is_upstreams_host_path(sim, model, reference, tok, monkeypatch):
+    monkeypatch.setenv(gsampling.DEVICE_SAMPLING_ENV, "off")
+    enc = tok([prompt(6), prompt(11, 2)], return_tensors="pt", padding=True)
+    torch.manual_seed(3)
+    expected = reference.generate(**enc, max_new_tokens=6, **SAMPLE)
+    torch.manual_seed(3)
+    assert torch.equal(model.generate(**on(model.device, enc), max_new_tokens=6, **SAMPLE).cpu(), expected)
+
+
+# --- continuous batching ---------------------------------------------------------------------------------
+
+_CB = importlib.util.find_spec("transformers.generation.continuous_batching.model_runner") is not None
+SERVING_ENV = {
+    "ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS": "32",
+    "ACCELERATE_NEURON_SERVING_KV_BUCKETS": "1024",
+    "ACCELERATE_NEURON_SERVING_KV_CACHE_TOKENS": "1024",
+}
+
+
+@pytest.mark.skipif(
+    not _CB, reason="4.57's continuous batching has no compiled step (no model_runner): the serving patches skip"
+)
+def test_continuous_batching_samples_mixed_temperatures_in_its_compiled_step(sim, model, reference, tok, monkeypatch):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    for key, value in SERVING_ENV.items():
+        monkeypatch.setenv(key, value)
+    traced = {"warp": 0, "draw": 0}
+    for name, key in (("warp_candidates", "warp"), ("draw", "draw")):
+        original = getattr(ops, name)
+
+        def spy(*args, _original=original, _key=key, **kwargs):
+            traced[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, spy)
+    torch._dynamo.reset()
+    prompts = [tok(prompt(n, 3 * i))["input_ids"] for i, n in enumerate([5, 12, 20, 9])]
+    config = GenerationConfig(
+        max_new_tokens=8, do_sample=True, temperature=0.8, top_k=50, top_p=0.95, eos_token_id=2, pad_token_id=0
+    )
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=ContinuousBatchingConfig(per_request_processors=True)
+    )
+    manager.warmup()
+    warm = simulator.stats()
+    assert traced["warp"] and traced["draw"]  # the compiled step runs the device warpers and draw
+    manager.start()
+    per_request = [{"top_k": 1}, {"temperature": 0.3}, {"temperature": 1.5, "top_p": 0.5}, {"temperature": 1.1}]
+    try:
+        ids = [
+            manager.add_request(input_ids=p, max_new_tokens=8, **kw) for p, kw in zip(prompts, per_request, strict=True)
+        ]
+        done, deadline = {}, time.monotonic() + 300
+        while len(done) < len(ids):
+            assert time.monotonic() < deadline, done
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result
+    finally:
+        manager.stop(block=True, timeout=30)
+        manager.destroy()
+    assert all(r.error is None and r.generated_tokens for r in done.values()), done
+    after = simulator.stats()
+    assert after["compiles"] == warm["compiles"]  # four temperatures, one set of graphs
+    greedy_config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=0)
+    greedy = reference.generate(torch.tensor([prompts[0]]), generation_config=greedy_config)
+    assert done[ids[0]].generated_tokens == greedy[0, len(prompts[0]) :].tolist()  # top_k=1 is greedy
