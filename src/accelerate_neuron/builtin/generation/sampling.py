@@ -100,9 +100,14 @@ class DeviceSampling:
     def choose(self, outputs: Any) -> Any:
         """Draw this step's tokens on the device; ``outputs.logits`` becomes a host one-hot row of them."""
         logits = getattr(outputs, "logits", None)
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-            return outputs
-        last = logits[:, -1]
+        if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
+            # Upstream's loop now takes an argmax: going on would silently decode greedily.
+            raise RuntimeError(
+                "accelerate_neuron: sampling on the device expected the forward's logits as [rows, length, vocab], "
+                f"got {type(logits).__name__} {tuple(getattr(logits, 'shape', ()))}; set {DEVICE_SAMPLING_ENV}=0 "
+                "for upstream's host path and report the model"
+            )
+        last = logits[:, -1] if logits.dim() == 3 else logits
         if self.program is None:
             self._start(last)
         assert self.program is not None
