@@ -125,7 +125,7 @@ def _stage_cases(ids: torch.Tensor) -> dict[str, list]:
     }
 
 
-@pytest.mark.parametrize("case", list(_stage_cases(torch.zeros((1, 1), dtype=torch.long))))
+@pytest.mark.parametrize("case", list(_stage_cases(torch.full((1, 1), 3))))
 def test_full_vocabulary_processors_equal_the_hosts_step_after_step(case):
     """Each processor's scores, then again after three tokens were appended (the state the device carries)."""
     logits, ids = fixed_logits()
