@@ -610,8 +610,8 @@ def sampling_section(args) -> list[str]:
         f"Patched, one row: {len(SAMPLING_WORDS)} prompt lengths ({', '.join(map(str, SAMPLING_WORDS))} words) "
         f"compile {lengths['compiles']} graphs, {length_sampling} of them the sampling step; then "
         f"{len(SAMPLING_VALUES)} (temperature, top_p, top_k) values "
-        f"({'; '.join(f'{t}, {p}, {k}' for t, p, k in SAMPLING_VALUES)}) compile {values['compiles']} and add "
-        f"{values['eager_signatures']} eager signatures.",
+        f"({'; '.join(f'{t}, {p}, {k}' for t, p, k in SAMPLING_VALUES)}) compile {values['compiles']} graphs and "
+        f"{values['eager_compiles']} eager ops (NEFF cache misses).",
         "",
     ]
     return lines
