@@ -23,8 +23,8 @@ import torch
 from transformers.generation import logits_process as lp
 
 from accelerate_neuron import simulator, tiny
+from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.generation import sampling as gsampling
-from accelerate_neuron.builtin.generation import shapes
 from accelerate_neuron.builtin.sampling import ops, step
 from accelerate_neuron.builtin.sampling import program as sprogram
 from test_generation import QWEN, _clean_dynamo, model, on, reference, tok  # noqa: F401 - shared fixtures

@@ -15,7 +15,7 @@ compiles, on Neuron. A :class:`ForwardCall` instead
    settings (one graph per length bucket x batch bucket), or, for a model split
    over several cores (or with ``compile_regions=layers``), with each decoder
    layer compiled on its own core (:mod:`..regions`; eager without regions);
-4. cuts every output back to the caller's rows and length (:mod:`.outputs`).
+4. cuts every output back to the caller's rows and length (:mod:`..shapes.cut`).
 
 Padding on the right keeps every real token at its position, and the attention
 mask keeps the real tokens from attending to the pad, so the results equal the
@@ -40,20 +40,18 @@ from typing import Any
 
 import torch
 
-from ... import device as neuron_device
 from ... import logs, settings
 from ...plugins import call_hook
-from .. import scope
+from .. import layer_regions as regions
+from .. import scope, shapes
 from ..compile_options import compile_options
-from ..generation import shapes
-from ..generation.cache import make_room_for_buckets
-from ..regions import layers as regions
-from .outputs import Cut, Unplaced
+from ..model_devices import model_device
+from ..shapes import Cut, Unplaced
 
 logger = logging.getLogger(__name__)
 
-#: Sequence-shaped inputs the padded layout knows, with their pad value (None: the model's pad token id).
-PAD_VALUES: dict[str, int | None] = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0}
+#: Sequence-shaped inputs the padded layout knows (their pad values: the shape layer's table).
+SEQUENCE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 #: Keyword arguments that shape the output, not the input: passed through as given.
 _FLAGS = frozenset({"output_attentions", "output_hidden_states", "return_dict", "use_cache", "task"})
 #: A model (instance attribute) that must never be bucketed: :func:`disable` sets it.
@@ -77,13 +75,6 @@ def _skip(model: Any, reason: str) -> None:
         reason,
         level=logging.DEBUG,
     )
-
-
-def model_device(model: Any) -> torch.device | None:
-    """The Neuron core holding ``model``'s first parameter, or None (not on Neuron)."""
-    for param in model.parameters():
-        return param.device if param.device.type == neuron_device.DEVICE_TYPE else None
-    return None
 
 
 @dataclass
@@ -119,7 +110,7 @@ class ForwardCall:
         if ids is None or ids.dim() != 2 or ids.is_floating_point():
             _skip(model, "no 2-D token ids (inputs_embeds, images, audio ... keep their own shapes)")
             return None
-        unknown = sorted(k for k in inputs if k not in PAD_VALUES)
+        unknown = sorted(k for k in inputs if k not in SEQUENCE_INPUTS)
         if unknown:
             _skip(model, f"inputs {unknown} (only token ids, masks, token types and positions are padded)")
             return None
@@ -148,50 +139,26 @@ class ForwardCall:
 
     def pad(self) -> dict[str, torch.Tensor]:
         """The inputs at the bucketed shape, on the model's core."""
-        limit = shapes.max_positions(self.model)
-        policy = shapes.resolve_policy(limit)
-        self.padded_length = self._bucket(policy.prompt_buckets, self.length, "sequence length")
-        if limit and self.padded_length > limit >= self.length:  # never past the positions the model has
-            self.padded_length = limit
-        self.padded_rows = self._bucket(policy.batch_buckets, self.rows, "batch size")
+        policy = shapes.resolve_policy(shapes.max_positions(self.model))  # capped at the model's positions
+        self.padded_length = policy.prompt_buckets.pad_to(self.length, "an inference call", "sequence length")
+        self.padded_rows = policy.batch_buckets.pad_to(self.rows, "an inference call", "batch size")
         inputs = dict(self.inputs)
         if "attention_mask" not in inputs and self.padded_length > self.length:
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        config = getattr(self.model, "config", None)
+        fills = shapes.pad_values(
+            shapes.pad_id(config, vocab=getattr(config, "vocab_size", None)), keys=SEQUENCE_INPUTS
+        )
         padded = {}
         for name, value in inputs.items():
             host = value.to("cpu")  # padded on the host: no device op sees the real length
-            if self.padded_length > self.length:
-                fill = PAD_VALUES[name]
-                if fill is None:
-                    fill = pad_id if isinstance(pad_id, int) and pad_id >= 0 else 0
-                host = torch.nn.functional.pad(host, (0, self.padded_length - self.length), value=fill)
-            if self.padded_rows > self.rows:  # copies of row 0: no row is all padding
-                host = torch.cat([host, host[:1].expand(self.padded_rows - self.rows, -1)])
-            padded[name] = host.to(self.device)
+            host = shapes.pad_columns(host, self.padded_length, fills[name])
+            padded[name] = shapes.add_rows(host, self.padded_rows).to(self.device)
         return padded
 
     @property
     def changes_shapes(self) -> bool:
         return self.padded_rows != self.rows or self.padded_length != self.length
-
-    def _bucket(self, buckets: tuple[int, ...], value: int, what: str) -> int:
-        if not buckets:
-            return value
-        bucket = next((b for b in buckets if b >= value), None)
-        if bucket is None:
-            logs.once(
-                logger,
-                ("inference.beyond_largest", what, value),
-                "accelerate_neuron: an inference call got a %s of %d, more than the largest bucket (%d); it runs at "
-                "its own shape and compiles its own graph. Add a larger bucket with %s.",
-                what,
-                value,
-                buckets[-1],
-                shapes.PROMPT_BUCKETS_ENV if what == "sequence length" else shapes.BATCH_BUCKETS_ENV,
-            )
-            return value
-        return bucket
 
     # ------------------------------------------------------------------ the forward
 
@@ -231,7 +198,7 @@ def compiled_call(model: Any, call: Callable[..., Any]) -> Callable[..., Any]:
     with _compiled_lock:
         compiled = _compiled.get(model)
         if compiled is None:
-            make_room_for_buckets()
+            shapes.make_room_for_buckets()
             compiled = _compiled[model] = torch.compile(call, **compile_settings())
     return compiled
 
@@ -294,7 +261,7 @@ def bucketed(
             call.padded_rows,
             call.length,
             call.padded_length,
-            shapes.PROMPT_BUCKETS_ENV,
+            settings.env_name("prompt_buckets"),
             str(exc).splitlines()[0],
         )
         return False, None

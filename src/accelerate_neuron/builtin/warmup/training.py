@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import session
-from .generation import model_tag
+from .. import precompile_session as session
+from ..model_tag import model_tag
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ class Representatives:
         for shape, batch in self.batches:
             started = time.perf_counter()
             try:
-                yield batch
+                with session.labelled(self.kind, shape):
+                    yield batch
             finally:  # also when the loop stops asking after its last step (the Trainer counts its steps)
                 if warm is not None:
                     warm.done(self.kind, shape, time.perf_counter() - started)
