@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +33,7 @@ from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.generation import sampling as gsampling
 from accelerate_neuron.builtin.sampling import ops, step
 from accelerate_neuron.builtin.sampling import program as sprogram
+from helpers import clean_env, fresh_neff_cache_dir
 from test_generation import QWEN, _clean_dynamo, model, on, reference, tok  # noqa: F401 - shared fixtures
 
 WORDS = tiny.CORPUS.split()
@@ -393,3 +400,123 @@ def test_continuous_batching_samples_mixed_temperatures_in_its_compiled_step(sim
     greedy_config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=0)
     greedy = reference.generate(torch.tensor([prompts[0]]), generation_config=greedy_config)
     assert done[ids[0]].generated_tokens == greedy[0, len(prompts[0]) :].tolist()  # top_k=1 is greedy
+
+
+def _cb_args(rows: list[tuple[float, int, float]], kinds: tuple[str, ...], width: int = 8) -> torch.Tensor:
+    """Continuous batching's per-request argument tensor (``[processors, max tokens]`` int32), upstream's encoding."""
+    args = torch.zeros((len(kinds), width), dtype=torch.int32)
+    for i, kind in enumerate(kinds):
+        column = {"temperature": 0, "top_k": 1, "top_p": 2}[kind]
+        values = [row[column] for row in rows]
+        if kind == "top_k":
+            args[i, : len(rows)] = torch.tensor(values, dtype=torch.int32)
+        else:
+            args[i, : len(rows)] = torch.tensor(values, dtype=torch.float32).view(torch.int32)
+    return args
+
+
+@pytest.mark.skipif(not _CB, reason="4.57's continuous batching has no per-request processors (no model_runner)")
+@pytest.mark.parametrize("with_top_k", [True, False], ids=["temperature, top_k, top_p", "temperature, top_p"])
+def test_continuous_batching_per_request_warpers_equal_upstreams(sim, with_top_k):
+    """Mixed per-request values in one batch: the device's warped distribution is upstream's, row by row.
+
+    A request's top_k above the 256 candidates gets upstream's distribution for top_k=256 (the documented bound).
+    """
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessorList,
+    )
+
+    from accelerate_neuron.builtin.serving import sampling as ssampling
+
+    warpers = [lp.TemperatureLogitsWarper(0.8), lp.TopKLogitsWarper(50), lp.TopPLogitsWarper(0.95)]
+    if not with_top_k:
+        del warpers[1]
+    processors = ContinuousBatchingLogitsProcessorList(lp.LogitsProcessorList(warpers), per_request_processors=True)
+    assert ssampling.warper_tail(list(processors.logits_processor)) == 0  # all of them run on the device
+    kinds = ("temperature", "top_k", "top_p") if with_top_k else ("temperature", "top_p")
+    # (temperature, top_k, top_p) per request; a flat row (index 3) so top_p alone keeps far more than 256 tokens
+    rows = [(0.3, 1, 0.9), (1.5, 50, 0.5), (0.8, 300, 1.0), (1.0, 256, 0.9), (2.0, 10, 0.99), (1.1, 7, 0.3)]
+    logits, ids = fixed_logits(rows=len(rows))
+    logits[3] *= 0.02
+    host = processors(ids.clone(), logits.clone(), _cb_args(rows, kinds)).softmax(-1)
+    device = processors(ids.to("neuron"), logits.to("neuron"), _cb_args(rows, kinds).to("neuron")).softmax(-1).cpu()
+    if with_top_k:
+        bounded = [(t, min(k, 256), p) for t, k, p in rows]
+        at_bound = processors(ids.clone(), logits.clone(), _cb_args(bounded, kinds)).softmax(-1)
+        assert not torch.equal(host[2] > 0, at_bound[2] > 0)  # top_k 300 keeps more than 256 upstream ...
+        assert (device[2] > 0).sum() == 256  # ... and 256 on the device: the bound
+        host = at_bound
+    else:
+        assert (host[3] > 0).sum() > 600  # the flat row's nucleus: beyond any candidate set, exact here
+    assert torch.equal(device > 0, host > 0)
+    torch.testing.assert_close(device, host, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _CB or importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None,
+    reason="`transformers serve --continuous-batching` needs 5.x's model_runner, fastapi and uvicorn",
+)
+def test_transformers_serve_samples_each_requests_settings_with_the_graphs_of_its_warm_up(tmp_path, reference, tok):
+    """A chat model's server (its generation config samples) answers requests with their own temperature and
+    top_p through the official client: no graph per value after the warm-up, a request's seed reproduces its
+    tokens, temperature 0 gives the CPU's greedy tokens."""
+    from openai import OpenAI
+    from transformers import GenerationConfig
+
+    from test_serving import _free_port, _graphs_by_frame  # here: it skips itself on 4.57
+
+    folder = tiny.save_pretrained(tmp_path / "tiny-qwen3-chat", "qwen3", **QWEN)
+    chat = GenerationConfig(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, eos_token_id=2, pad_token_id=0)
+    chat.save_pretrained(folder)  # as a chat model ships: sampling by default, so serve's batches sample
+    cache = Path(fresh_neff_cache_dir())
+    port = _free_port()
+    simulate = [sys.executable, "-m", "accelerate_neuron", "simulate", "--cores", "1", "--json", "--"]
+    serve = [str(Path(sys.executable).with_name("transformers")), "serve", str(folder), "--continuous-batching"]
+    server = subprocess.Popen(
+        [*simulate, *serve, "--host", "127.0.0.1", "--port", str(port)],
+        env=clean_env(TORCH_NEURONX_NEFF_CACHE_DIR=str(cache), OMP_NUM_THREADS="1", **SERVING_ENV),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, server.stderr.read()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not start in 10 minutes"
+                time.sleep(1)
+        warmed = _graphs_by_frame(cache)
+        assert warmed
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+        def complete(text: str, **kwargs) -> str:
+            answer = client.completions.create(model=str(folder), prompt=text, max_tokens=8, **kwargs)
+            assert answer.usage.completion_tokens > 0
+            return answer.choices[0].text
+
+        texts = {}
+        for i, (temperature, top_p) in enumerate([(0.3, 0.5), (1.4, 0.95), (0.9, 0.8), (1.0, 0.99)]):
+            texts[i] = complete(prompt(9, i), temperature=temperature, top_p=top_p)
+        first, again = (complete(prompt(7, 4), temperature=1.3, seed=1234) for _ in range(2))
+        assert first == again  # the request's seed seeds the device's generator
+        text = prompt(12, 5)
+        expected = reference.generate(
+            torch.tensor([tok(text)["input_ids"]]), max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=0
+        )
+        greedy = tok.decode(expected[0, len(tok(text)["input_ids"]) :], skip_special_tokens=True)
+        assert complete(text, temperature=0) == greedy  # serve sends top_k=1: the candidates path's argmax
+        assert _graphs_by_frame(cache) == warmed  # five temperatures, three top_p values: the warm-up's graphs
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            _, output = server.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            _, output = server.communicate()
+    assert "compiled a new graph after its warm-up" not in output, output[-4000:]
