@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -368,8 +369,19 @@ def test_continuous_batching_samples_mixed_temperatures_in_its_compiled_step(sim
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(ops, name, spy)
+    from transformers.generation.continuous_batching import model_runner
+
+    steps: list[set[float]] = []  # each step's per-request argument values, read at the compiled step's door
+    compute_batch = model_runner.ModelRunner.compute_batch
+
+    def spy_batch(self, model, batch_data):
+        args = batch_data["logits_processor_args"]
+        steps.append(set(args.cpu().view(torch.float32).flatten().tolist()) if args is not None else set())
+        return compute_batch(self, model, batch_data)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "compute_batch", spy_batch)
     torch._dynamo.reset()
-    prompts = [tok(prompt(n, 3 * i))["input_ids"] for i, n in enumerate([5, 12, 20, 9])]
+    prompts = [tok(prompt(n, 3 * i))["input_ids"] for i, n in enumerate([4, 6, 5, 7])]  # 35 tokens: one batch
     config = GenerationConfig(
         max_new_tokens=8, do_sample=True, temperature=0.8, top_k=50, top_p=0.95, eos_token_id=2, pad_token_id=0
     )
@@ -379,6 +391,7 @@ def test_continuous_batching_samples_mixed_temperatures_in_its_compiled_step(sim
     manager.warmup()
     warm = simulator.stats()
     assert traced["warp"] and traced["draw"]  # the compiled step runs the device warpers and draw
+    steps.clear()
     manager.start()
     per_request = [{"top_k": 1}, {"temperature": 0.3}, {"temperature": 1.5, "top_p": 0.5}, {"temperature": 1.1}]
     try:
@@ -397,6 +410,12 @@ def test_continuous_batching_samples_mixed_temperatures_in_its_compiled_step(sim
     assert all(r.error is None and r.generated_tokens for r in done.values()), done
     after = simulator.stats()
     assert after["compiles"] == warm["compiles"]  # four temperatures, one set of graphs
+    mixed = {torch.tensor(t).item() for t in (0.3, 1.5, 1.1)}  # as float32, upstream's encoding
+    assert any(mixed <= values for values in steps), steps  # three requests' temperatures in one step's rows
+    # Only the sampled ids (and upstream's bookkeeping) come back: less than one float32 logits row per step,
+    # while a step samples up to four rows.
+    per_step = (after["d2h_bytes"] - warm["d2h_bytes"]) / len(steps)
+    assert per_step < model.config.vocab_size * 4, (per_step, len(steps))
     greedy_config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=2, pad_token_id=0)
     greedy = reference.generate(torch.tensor([prompts[0]]), generation_config=greedy_config)
     assert done[ids[0]].generated_tokens == greedy[0, len(prompts[0]) :].tolist()  # top_k=1 is greedy
@@ -453,6 +472,7 @@ def test_continuous_batching_per_request_warpers_equal_upstreams(sim, with_top_k
 
 
 @pytest.mark.slow
+@pytest.mark.one_pair  # 4.57 has no per-request sampling in continuous batching: the newest pair's subject only
 @pytest.mark.skipif(
     not _CB or importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None,
     reason="`transformers serve --continuous-batching` needs 5.x's model_runner, fastapi and uvicorn",
@@ -500,9 +520,15 @@ def test_transformers_serve_samples_each_requests_settings_with_the_graphs_of_it
             assert answer.usage.completion_tokens > 0
             return answer.choices[0].text
 
-        texts = {}
-        for i, (temperature, top_p) in enumerate([(0.3, 0.5), (1.4, 0.95), (0.9, 0.8), (1.0, 0.99)]):
-            texts[i] = complete(prompt(9, i), temperature=temperature, top_p=top_p)
+        settings = [(0.3, 0.5), (1.4, 0.95), (0.9, 0.8), (1.0, 0.99)]
+        with ThreadPoolExecutor(len(settings)) as pool:  # at once: the server batches them together
+            texts = list(
+                pool.map(
+                    lambda i: complete(prompt(9, i), temperature=settings[i][0], top_p=settings[i][1]),
+                    range(len(settings)),
+                )
+            )
+        assert len(texts) == len(settings)
         first, again = (complete(prompt(7, 4), temperature=1.3, seed=1234) for _ in range(2))
         assert first == again  # the request's seed seeds the device's generator
         text = prompt(12, 5)
