@@ -166,20 +166,6 @@ def fresh_model():
     return tiny.model("qwen3", initializer_range=0.3, max_position_embeddings=CONTEXT).to("neuron")
 
 
-@contextlib.contextmanager
-def fewer_buckets() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in FEWER}
-    os.environ.update(FEWER)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def grid(plan: serving_plan.ServingPlan) -> str:
     kv = plan.kv_grid(plan.kv_cache_tokens)
     return f"query buckets {', '.join(map(str, plan.token_buckets))} x KV buckets {', '.join(map(str, kv))}"
@@ -332,7 +318,7 @@ def main() -> None:
     model = fresh_model()
     patched_tokens, patched = serve(model, requests, args.waves, None)
     resolved = serving_plan.resolve(model.config.get_text_config(), model.device)
-    with fewer_buckets():
+    with environment(FEWER):
         model = fresh_model()
         fewer_tokens, fewer = serve(model, requests, args.waves, None)
         coarse = serving_plan.resolve(model.config.get_text_config(), model.device)
