@@ -164,11 +164,13 @@ def test_greedy_with_processors_picks_the_hosts_argmax():
 @pytest.mark.one_pair
 @pytest.mark.parametrize("way", ["candidates", "vocabulary"])
 def test_draws_follow_the_distribution(way):
-    """Chi-square of 40,000 draws (fixed seed: the same draws every run) against the warped distribution."""
+    """Chi-square of 10,000 draws (fixed seed: the same draws every run) against the warped distribution.
+
+    The rarest kept token has probability 1.6% (155 expected draws): enough for the test."""
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0] + [-30.0] * 292])
     cut = lp.TopKLogitsWarper(7) if way == "candidates" else lp.TopPLogitsWarper(0.97)
     processors = [lp.TemperatureLogitsWarper(0.9), cut]
-    rows = 4000
+    rows = 2000
     t = device_translation(processors, torch.zeros((rows, 1), dtype=torch.long), vocab=300, candidates=8)
     assert t.program.path == way
     expected = lp.LogitsProcessorList(processors)(torch.zeros((1, 1), dtype=torch.long), logits.clone()).softmax(-1)
@@ -176,7 +178,7 @@ def test_draws_follow_the_distribution(way):
     params, state = on_device(t.params), on_device(t.state)
     torch.manual_seed(1234)
     counts = torch.zeros(300)
-    for _ in range(10):
+    for _ in range(5):
         chosen, _ = sample(logits.expand(rows, -1).contiguous().to("neuron"), params, state)
         counts += torch.bincount(chosen.cpu(), minlength=300).float()
     kept = expected[0] > 1e-4
