@@ -168,6 +168,18 @@ def neuron_patches() -> list[Patch]:
             params=("inputs", "generation_config", "continuous_batching_config"),
             name="serving.batch_length",
         ),
+        Patch(
+            "transformers.cli.serving.utils",
+            "CBGenerateManager.init_cb",
+            wrappers.wrap_serve_init_cb,
+            reason="transformers serve starts continuous batching at its first request without a warm-up: on Neuron "
+            "the step grid is warmed before the manager starts, so no live request waits for a compile",
+            lacking="transformers serve with a lazily started continuous batching manager (5.x up to 5.24)",
+            needed=plan.without_step_padding,
+            params=("model", "gen_config"),
+            gone="this release's transformers serve warms continuous batching itself when the model loads",
+            name="serving.serve_warmup",
+        ),
     ]
 
 

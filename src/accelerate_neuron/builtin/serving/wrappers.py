@@ -8,6 +8,11 @@
   that cannot fit the KV cache (prompt + ``max_new_tokens`` beyond its
   capacity, the largest KV bucket) is refused with a ``ValueError`` naming the
   sizes and the setting, instead of waiting forever for room.
+- ``transformers serve``'s ``CBGenerateManager.init_cb`` (releases up to 5.24):
+  it starts continuous batching at the first request without upstream's
+  warm-up, so every step shape would compile on a live request; on Neuron the
+  manager is warmed (the whole grid, :mod:`.steps`) before it starts. Later
+  releases warm it themselves when the model loads.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 from ... import device as neuron_device
 from ... import logs
+from ..model_devices import model_device
 from . import plan as serving_plan
 
 logger = logging.getLogger(__name__)
@@ -140,3 +146,30 @@ def _resolved_for(model: Any, cb_config: Any) -> Any:
     chosen = serving_plan.apply(plan, cb_config or ContinuousBatchingConfig())
     setattr(chosen, serving_plan.PLAN_ATTR, plan)
     return chosen
+
+
+def wrap_serve_init_cb(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``CBGenerateManager.init_cb``: on Neuron, the manager it creates is warmed before it starts."""
+
+    @functools.wraps(original)
+    def init_cb(self: Any, model: Any, gen_config: Any) -> Any:
+        if getattr(self, "_cb", None) is not None or model_device(model) is None or "init_continuous_batching" in vars(
+            model
+        ):
+            return original(self, model, gen_config)
+        create = model.init_continuous_batching
+
+        def init_and_warm(*args: Any, **kwargs: Any) -> Any:
+            manager = create(*args, **kwargs)
+            if not getattr(manager, "warmed_up", True):
+                manager.warmup()
+            return manager
+
+        # Upstream creates and starts the manager in one call: the warm-up goes between the two, for this call only.
+        vars(model)["init_continuous_batching"] = init_and_warm
+        try:
+            return original(self, model, gen_config)
+        finally:
+            vars(model).pop("init_continuous_batching", None)
+
+    return init_cb
