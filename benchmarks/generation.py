@@ -42,12 +42,17 @@ Every result is checked against the stock one.
 ``--only speculation`` runs assisted generation (a draft model) and prompt lookup over 8 prompt lengths one by one,
 patched and stock: graphs, eager signatures and their growth per prompt length, target forwards per token.
 
+``--only sampling``: ``do_sample=True, top_k=50, top_p=0.9, temperature=0.7`` (issue 42) at one and four rows,
+patched (sampling on the device), patched with ``ACCELERATE_NEURON_DEVICE_SAMPLING=0`` (the host path) and stock
+with a static cache: device->host bytes per step, graphs (the sampling step's among them), eager signatures; then
+the graphs of 8 prompt lengths and of 6 parameter values.
+
 ``--only moe`` runs that job on the dense tiny Qwen3 and on a tiny Qwen3-MoE of the same sizes (4 experts,
 top-2), patched and stock, in one table: what routing adds to graphs, eager signatures and host round trips.
 
     python benchmarks/generation.py [--tokens 8 16 32] [--vocab 32000] [--prompts 48] [--passes 4]
-                                    [--seed 0] [--only workload|steps|regions|moe|speculation] [--output FILE]
-                                    [--plot docs/speculation.svg]
+                                    [--seed 0] [--only workload|steps|regions|moe|speculation|sampling]
+                                    [--output FILE] [--plot docs/speculation.svg]
 """
 
 from __future__ import annotations
@@ -631,6 +636,117 @@ def speculation_section(args) -> list[str]:
     ]
 
 
+#: The issue's sampling settings (issue 42), and the parameter values the graph must not depend on.
+SAMPLING = {"do_sample": True, "top_k": 50, "top_p": 0.9, "temperature": 0.7}
+SAMPLING_VALUES = [(0.3, 0.5, 10), (1.0, 0.95, 200), (1.6, 0.7, 3), (0.9, 0.99, 256), (0.7, 0.8, 64), (1.2, 0.9, 1)]
+SAMPLING_WORDS = [2, 5, 9, 14, 20, 27, 35, 44]
+DEVICE_SAMPLING_ENV = "ACCELERATE_NEURON_DEVICE_SAMPLING"
+
+
+def _sampling_run(model, enc, tokens: list[int], **kwargs) -> dict:
+    """Per-step figures of a sampling generate(): the warm-up compiles, then two lengths (same seed)."""
+    simulator.reset_stats()
+    model.generate(**enc, max_new_tokens=2, **SAMPLING, **kwargs)
+    warm = simulator.stats()
+    sampling_graphs = sum(1 for g in warm["graphs"] if (g.get("frame") or {}).get("function") == "sampling_step")
+    rows = {}
+    for n in tokens:
+        simulator.reset_stats()
+        torch.manual_seed(0)
+        out = model.generate(**enc, max_new_tokens=n, **SAMPLING, **kwargs)
+        stats = simulator.stats()
+        rows[n] = {"stats": stats, "new": out.shape[1] - enc["input_ids"].shape[1]}
+    lo, hi = rows[tokens[0]], rows[tokens[-1]]
+    steps = hi["new"] - lo["new"]
+    return {
+        "signatures": [rows[n]["stats"]["eager_signatures"] for n in tokens],
+        "compiles": warm["compiles"] + sum(r["stats"]["compiles"] for r in rows.values()),
+        "sampling_graphs": sampling_graphs,
+        "h2d_step": (hi["stats"]["h2d_bytes"] - lo["stats"]["h2d_bytes"]) / steps,
+        "d2h_step": (hi["stats"]["d2h_bytes"] - lo["stats"]["d2h_bytes"]) / steps,
+    }
+
+
+def sampling_section(args) -> list[str]:
+    """do_sample=True, top_k=50, top_p=0.9, temperature=0.7: bytes per step, graphs, eager signatures."""
+    tok = tiny.tokenizer()
+    tokens = [8, 16]
+    scenarios: list[tuple[str, int, dict]] = []
+
+    def scenario(name: str, rows: int, stock: bool = False, host_inputs: bool = False, **kwargs) -> None:
+        model = _fresh(args.vocab)
+        host = tok(
+            [PROMPT, "hello world , this is a tiny", "the core", "compiled graph runs"][:rows],
+            padding=True,
+            return_tensors="pt",
+        )
+        enc = host if host_inputs else {k: v.to(model.device) for k, v in host.items()}
+        try:
+            result = _sampling_run(model, enc, tokens, **kwargs)
+        except Exception as exc:  # stock 4.x with host inputs: device mismatch
+            result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"}
+        scenarios.append((name, rows, result))
+        print(name, rows, result, file=sys.stderr, flush=True)
+
+    for rows in (1, 4):
+        scenario("patched (sampling on the device)", rows)
+        os.environ[DEVICE_SAMPLING_ENV] = "0"
+        try:
+            scenario(f"patched, {DEVICE_SAMPLING_ENV}=0 (host path)", rows)
+        finally:
+            del os.environ[DEVICE_SAMPLING_ENV]
+        with activation.unpatched():
+            host_inputs = not transformers.__version__.startswith("4.")
+            where = "host" if host_inputs else "device"
+            scenario(
+                f"stock + static, inputs on the {where}", rows, host_inputs=host_inputs, cache_implementation="static"
+            )
+
+    # Graphs across prompt lengths, then across parameter values (a fresh model, one row).
+    model = _fresh(args.vocab)
+    simulator.reset_stats()
+    for words in SAMPLING_WORDS:
+        enc = {k: v.to("neuron") for k, v in tok([" ".join(["core"] * words)], return_tensors="pt").items()}
+        model.generate(**enc, max_new_tokens=4, **SAMPLING)
+    lengths = simulator.stats()
+    length_sampling = sum(1 for g in lengths["graphs"] if (g.get("frame") or {}).get("function") == "sampling_step")
+    simulator.reset_stats()
+    for temperature, top_p, top_k in SAMPLING_VALUES:
+        model.generate(**enc, max_new_tokens=4, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    values = simulator.stats()
+
+    lines = [
+        "### Sampling on the device",
+        "",
+        f"Model: tiny Qwen3 (2 layers, hidden 64), vocab {args.vocab}; `do_sample=True, top_k=50, top_p=0.9, "
+        "temperature=0.7`; inputs `.to(model.device)` unless noted. Bytes per step are the difference between the "
+        f"{tokens[-1]}- and {tokens[0]}-token runs (same seed) over the extra steps; graphs include the warm-up call.",
+        "",
+        "| scenario | rows | d2h B/step | h2d B/step | compiled graphs (of which sampling) | eager signatures at "
+        + "/".join(map(str, tokens))
+        + " new tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rows, r in scenarios:
+        if "error" in r:
+            lines.append(f"| {name} | {rows} | fails: `{r['error']}` | | | |")
+            continue
+        lines.append(
+            f"| {name} | {rows} | {r['d2h_step']:,.0f} | {r['h2d_step']:,.0f} | {r['compiles']} "
+            f"({r['sampling_graphs']}) | {'/'.join(map(str, r['signatures']))} |"
+        )
+    lines += [
+        "",
+        f"Patched, one row: {len(SAMPLING_WORDS)} prompt lengths ({', '.join(map(str, SAMPLING_WORDS))} words) "
+        f"compile {lengths['compiles']} graphs, {length_sampling} of them the sampling step; then "
+        f"{len(SAMPLING_VALUES)} (temperature, top_p, top_k) values "
+        f"({'; '.join(f'{t}, {p}, {k}' for t, p, k in SAMPLING_VALUES)}) compile {values['compiles']} graphs and "
+        f"{values['eager_compiles']} eager ops (NEFF cache misses).",
+        "",
+    ]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 16, 32])
@@ -639,7 +755,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and batch sizes")
     parser.add_argument("--passes", type=int, default=4, help="workload passes of --prompts new prompts each")
     parser.add_argument(
-        "--only", choices=("workload", "steps", "regions", "moe", "speculation"), help="run one section only"
+        "--only",
+        choices=("workload", "steps", "regions", "moe", "speculation", "sampling"),
+        help="run one section only",
     )
     parser.add_argument("--output", help="append the markdown section to this file")
     parser.add_argument("--plot", metavar="SVG", help="with --only speculation: draw the eager-signature trend")
@@ -660,6 +778,9 @@ def main() -> None:
         return
     if args.only == "speculation":
         _emit("\n".join([*header, *speculation_section(args)]), args.output)
+        return
+    if args.only == "sampling":
+        _emit("\n".join([*header, *sampling_section(args)]), args.output)
         return
     if args.only == "regions":
         header[2] = header[2].replace("1 core", "2 cores")

@@ -26,7 +26,15 @@ tokens computed per real query token, KV tokens read per real KV token, at the
 compiled step's door), steps, and CPU wall time (the simulator's, not
 Trainium's). The tokens of every request are checked equal across scenarios.
 
+``--only sampling`` (issue 42): four requests with their own temperature and top_p in one batch
+(``per_request_processors=True``, the model's config samples with top_k=50), vocabulary ``--vocab``
+(default 32,000), one query bucket (32) and one KV bucket (1,024): patched, patched with
+``ACCELERATE_NEURON_DEVICE_SAMPLING=0`` (upstream's sort and multinomial in the compiled step) and stock
+(every patch reverted: upstream's eager step): device->host bytes per step, graphs and eager signatures after
+the warm-up, the most distinct temperatures one step sampled.
+
     python benchmarks/serving.py [--requests 64] [--waves 2] [--seed 0] [--output FILE]
+    python benchmarks/serving.py --only sampling [--vocab 32000] [--output FILE]
 """
 
 from __future__ import annotations
@@ -158,10 +166,29 @@ def fresh_model():
     return tiny.model("qwen3", initializer_range=0.3, max_position_embeddings=CONTEXT).to("neuron")
 
 
+def grid(plan: serving_plan.ServingPlan) -> str:
+    kv = plan.kv_grid(plan.kv_cache_tokens)
+    return f"query buckets {', '.join(map(str, plan.token_buckets))} x KV buckets {', '.join(map(str, kv))}"
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"
+
+
+#: (temperature, top_p) of each request of the sampling section, and its one-bucket grid.
+SAMPLING_REQUESTS = [(0.3, 0.5), (1.4, 0.95), (0.9, 0.8), (1.1, 0.99)]
+SAMPLING_GRID = {
+    serving_plan.TOKEN_BUCKETS_ENV: "32",
+    serving_plan.KV_BUCKETS_ENV: "1024",
+    "ACCELERATE_NEURON_SERVING_KV_CACHE_TOKENS": "1024",
+}
+DEVICE_SAMPLING_ENV = "ACCELERATE_NEURON_DEVICE_SAMPLING"
+
+
 @contextlib.contextmanager
-def fewer_buckets() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in FEWER}
-    os.environ.update(FEWER)
+def environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -172,13 +199,102 @@ def fewer_buckets() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def grid(plan: serving_plan.ServingPlan) -> str:
-    kv = plan.kv_grid(plan.kv_cache_tokens)
-    return f"query buckets {', '.join(map(str, plan.token_buckets))} x KV buckets {', '.join(map(str, kv))}"
+def sample_batch(vocab: int, cb: ContinuousBatchingConfig, new_tokens: int = 16) -> dict:
+    """One batch of sampling requests with their own settings, after the warm-up: what each step cost."""
+    tok = tiny.tokenizer()
+    words = tiny.CORPUS.split()
+    prompts = [tok(" ".join(words[3 * i : 3 * i + 5]))["input_ids"] for i in range(len(SAMPLING_REQUESTS))]
+    torch._dynamo.reset()
+    neff_cache.use(None)
+    model = tiny.model("qwen3", initializer_range=0.3, max_position_embeddings=CONTEXT, vocab_size=vocab).to("neuron")
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=True, temperature=0.7, top_k=50, top_p=0.9, eos_token_id=2, pad_token_id=0
+    )
+    temperatures: list[int] = []
+    original = model_runner.ModelRunner.compute_batch
+
+    def compute_batch(runner, model, batch_data):
+        args = batch_data.get("logits_processor_args")
+        values = set(args.cpu().view(torch.float32).flatten().tolist()) if args is not None else set()
+        temperatures.append(len(values & {torch.tensor(t).item() for t, _ in SAMPLING_REQUESTS}))
+        return original(runner, model, batch_data)
+
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
+    manager.warmup()
+    simulator.reset_stats()
+    model_runner.ModelRunner.compute_batch = compute_batch
+    torch.manual_seed(0)
+    try:
+        ids = [
+            manager.add_request(p, max_new_tokens=new_tokens, temperature=t, top_p=p_)
+            for p, (t, p_) in zip(prompts, SAMPLING_REQUESTS, strict=True)
+        ]
+        manager.start()
+        done = {}
+        while len(done) < len(ids):
+            out = manager.get_result(timeout=600)
+            if out is None:
+                raise RuntimeError("the continuous batching worker stopped answering")
+            if out.is_finished():
+                if out.error is not None:
+                    raise RuntimeError(out.error)
+                done[out.request_id] = out.generated_tokens
+    finally:
+        model_runner.ModelRunner.compute_batch = original
+        manager.stop(block=True, timeout=60)
+        manager.destroy()
+    st = simulator.stats()
+    steps = len(temperatures)
+    return {
+        "steps": steps,
+        "tokens": sum(len(t) for t in done.values()),
+        "d2h_step": st["d2h_bytes"] / steps,
+        "h2d_step": st["h2d_bytes"] / steps,
+        "graphs": st["compiles"],
+        "eager": st["eager_signatures"],
+        "mixed": max(temperatures),
+    }
 
 
-def minutes(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min"
+def sampling_section(args) -> list[str]:
+    """Continuous batching with per-request sampling settings in one batch: patched, upstream's, stock."""
+    cb = ContinuousBatchingConfig(per_request_processors=True)
+    results = []
+    with environment(SAMPLING_GRID):
+        results.append(
+            ("patched (warpers without a sort, draw from the device's random numbers)", sample_batch(args.vocab, cb))
+        )
+        with environment({DEVICE_SAMPLING_ENV: "0"}):
+            results.append(
+                (f"patched, {DEVICE_SAMPLING_ENV}=0 (upstream's sort and multinomial)", sample_batch(args.vocab, cb))
+            )
+        # Stock gets the patched run's cache size and token budget (it would size the cache from host memory).
+        stock_cb = ContinuousBatchingConfig(
+            per_request_processors=True, num_blocks=1024 // cb.page_size, max_batch_tokens=32
+        )
+        with activation.unpatched():
+            results.append(("stock (upstream's eager step)", sample_batch(args.vocab, stock_cb)))
+    lines = [
+        f"### Sampling, Transformers {transformers.__version__} (torch {torch.__version__.split('+')[0]}, "
+        f"accelerate-neuron {accelerate_neuron.__version__})",
+        "",
+        f"Command: `python benchmarks/serving.py --only sampling --vocab {args.vocab}`. Tiny Qwen3, vocab "
+        f"{args.vocab}; the model's config samples (temperature 0.7, top_k 50, top_p 0.9); "
+        f"{len(SAMPLING_REQUESTS)} requests of 16 new tokens each with their own (temperature, top_p): "
+        f"{'; '.join(f'{t}, {p}' for t, p in SAMPLING_REQUESTS)}, submitted together; query bucket 32, KV bucket "
+        "1,024. Figures after the warm-up; a float32 logits row is "
+        f"{4 * args.vocab:,} bytes.",
+        "",
+        "| scenario | steps | tokens | d2h B/step | h2d B/step | graphs compiled | eager signatures | most "
+        "requests' temperatures in one step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results:
+        lines.append(
+            f"| {name} | {r['steps']} | {r['tokens']} | {r['d2h_step']:,.0f} | {r['h2d_step']:,.0f} | {r['graphs']} "
+            f"| {r['eager']} | {r['mixed']} |"
+        )
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -186,14 +302,23 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--waves", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=("sampling",), help="run one section only")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary of the sampling section's model")
     parser.add_argument("--output", help="append the markdown section to this file")
     args = parser.parse_args()
+    if args.only == "sampling":
+        text = "\n".join(sampling_section(args))
+        print(text)
+        if args.output:
+            with open(args.output, "a", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        return
     requests = workload(args.requests, args.seed)
 
     model = fresh_model()
     patched_tokens, patched = serve(model, requests, args.waves, None)
     resolved = serving_plan.resolve(model.config.get_text_config(), model.device)
-    with fewer_buckets():
+    with environment(FEWER):
         model = fresh_model()
         fewer_tokens, fewer = serve(model, requests, args.waves, None)
         coarse = serving_plan.resolve(model.config.get_text_config(), model.device)

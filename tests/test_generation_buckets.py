@@ -131,7 +131,9 @@ def test_batch_rows_never_reach_the_caller(sim, model, reference, tok):
     assert seen == [(3, width + i) for i in range(1, 6)]  # stopping criteria see the caller's rows and columns
 
 
-def test_sampling_is_reproducible_and_matches_cpu(sim, model, reference, tok):
+def test_sampling_on_the_host_path_is_reproducible_and_matches_cpu(sim, model, reference, tok, monkeypatch):
+    """Dummy rows never reach the host's draw (sampling on the device: tests/test_sampling.py)."""
+    monkeypatch.setenv("ACCELERATE_NEURON_DEVICE_SAMPLING", "0")
     enc = tok([prompt(6), prompt(11, 2), prompt(4, 5)], return_tensors="pt", padding=True)
     kwargs = {"do_sample": True, "top_k": 20, "max_new_tokens": 8, "num_return_sequences": 2}
     torch.manual_seed(11)

@@ -61,8 +61,12 @@ def neuron_generation_tensor_device(name: str, model_device: torch.device) -> to
 
 @hookspec(firstresult=True)
 def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
-    """Default ``torch.compile`` settings for ``purpose`` (``"generate"``, ``"forward"``, ``"train"``, ``"serving"``
-    or ``"region"``).
+    """Default ``torch.compile`` settings for ``purpose`` (``"generate"``, ``"forward"``, ``"train"``, ``"serving"``,
+    ``"region"`` or ``"sampling"``).
+
+    ``"sampling"``: the graph that processes the logits and draws the next token on the device
+    (``generate()``; continuous batching samples inside its own step); its built-in answer has ``fullgraph``
+    True.
 
     ``"region"``: one decoder layer compiled on its own (a model split over cores, or
     ``compile_regions=layers``); no answer at all turns regions off.

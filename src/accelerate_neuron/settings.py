@@ -124,6 +124,16 @@ def parse_positive_count(value: Any) -> int:
     return count
 
 
+MAX_SAMPLING_TOPK = 4096
+
+
+def parse_sampling_topk(value: Any) -> int:
+    count = parse_positive_count(value)
+    if count > MAX_SAMPLING_TOPK:
+        raise ValueError(f"{count} candidates would sort more of each row than the anchors' 256 are meant to avoid")
+    return count
+
+
 def parse_text(value: Any) -> str:
     return str(value).strip()
 
@@ -456,6 +466,18 @@ SETTINGS: tuple[Setting, ...] = (
         default_text="on",
     ),
     Setting(
+        "device_sampling",
+        parse_switch,
+        True,
+        _SWITCH,
+        "`generate()` and continuous batching on Neuron run the logits processors (temperature, top-k, top-p, "
+        "min-p, repetition penalty, bans, ...) and the draw of the next token on the device, in a compiled graph, "
+        "so one id per row crosses to the host instead of the logits row; the tokens are drawn from the device's "
+        "random numbers (reproducible under a seed, not the CPU's tokens). `0`: upstream's host path.",
+        "generation",
+        default_text="on",
+    ),
+    Setting(
         "candidate_buckets",
         parse_buckets,
         POW2,
@@ -463,6 +485,17 @@ SETTINGS: tuple[Setting, ...] = (
         "Candidate counts one speculative verification forward is padded to (`pow2`: 1, 2, 4, ... 64), plus the "
         "call's own `num_assistant_tokens` / `prompt_lookup_num_tokens` when it does not change during the call; "
         "more candidates than the largest bucket run at a prompt bucket. `off`: every count its own graph.",
+        "generation",
+    ),
+    Setting(
+        "sampling_topk",
+        parse_sampling_topk,
+        256,
+        f"an integer from 1 to {MAX_SAMPLING_TOPK}",
+        "Candidates of on-device sampling's fast path: the warpers and the draw run on each row's best K tokens, "
+        "exact when `top_k` is at most K. A call with no `top_k`, or a larger one, samples over the whole "
+        "vocabulary instead (exact too, no sort, a heavier graph); continuous batching caps a request's top_k "
+        "at K (said once).",
         "generation",
     ),
     Setting(

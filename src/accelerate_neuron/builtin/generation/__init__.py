@@ -13,13 +13,14 @@
 - Static KV cache by default, its length bucketed, and the decode step
   compiled with the ``"neuron"`` backend on every supported Transformers
   release (:mod:`.cache`).
-- Greedy decoding takes the argmax on the device, so one id per row crosses to
-  the host instead of the whole logits row.
+- Greedy decoding takes the argmax on the device, and sampling runs its logits
+  processors and the draw there (:mod:`.sampling`), so one id per row crosses
+  to the host instead of the whole logits row.
 - Threads calling ``generate()`` on one model never share a KV cache
   (:mod:`.concurrency`).
 
 Hooks with built-in answers here: ``neuron_generation_tensor_device``,
-``neuron_compile_config`` (purpose ``"generate"``), ``neuron_static_cache_length``.
+``neuron_compile_config`` (purposes ``"generate"`` and ``"sampling"``), ``neuron_static_cache_length``.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def neuron_patches() -> list[Patch]:
             GEN,
             f"{_MIXIN}._sample",
             wrappers.wrap_sample,
-            reason="greedy decoding takes the argmax on Neuron: one id per row crosses to the host, not the logits",
+            reason="greedy decoding takes the argmax on Neuron, and sampling runs its logits processors and the draw "
+            "there: one id per row crosses to the host, not the logits",
             lacking="every release",
             params=("input_ids", "logits_processor", "generation_config"),
         ),
@@ -146,6 +148,8 @@ def neuron_generation_tensor_device(name: str, model_device: torch.device) -> to
 
 @hookimpl
 def neuron_compile_config(purpose: str) -> dict[str, Any] | None:
+    if purpose == "sampling":  # the logits processors and the draw: plain tensor arithmetic, one graph
+        return {"backend": "neuron", "dynamic": False, "fullgraph": True, "mode": None}
     if purpose != "generate":
         return None
     return {"backend": "neuron", "dynamic": False, "fullgraph": False, "mode": None}

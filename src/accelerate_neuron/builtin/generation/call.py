@@ -17,7 +17,8 @@ wrapper is a thin adapter that asks the current call:
 - ``prepare_inputs_for_generation``: :meth:`~GenerateCall.forward_inputs`
   gives every forward the padded layout (:mod:`.padding`);
 - ``_sample``: :meth:`~GenerateCall.choose_greedy` decides whether the greedy
-  token is picked on the device;
+  token is picked on the device, :func:`.sampling.plan` whether a sampled one is
+  (``sampling``; every forward's logits then go through it);
 - ``get_compiled_call``: :meth:`~GenerateCall.compiled` cuts the dummy rows
   or picks the greedy token after the compiled forward;
 - ``generate`` returns: :meth:`~GenerateCall.close` gives back the cache in
@@ -78,6 +79,7 @@ class GenerateCall:
     chunked: bool = False  # the prefill goes through upstream's chunked (compiled) path
     may_add_rows: bool = False  # every forward runs through the compiled call, where dummy rows are cut
     greedy: bool = False  # ``_sample`` picks the greedy token on the device
+    sampling: Any = None  # ``_sample``'s tokens drawn on the device (a ``sampling.DeviceSampling``)
     forwards: int = 0  # forward inputs prepared so far (the first is the prefill's)
     regional: bool = False  # "compiled" means decoder layers compiled one by one (regions), not the whole model
 
@@ -262,7 +264,8 @@ class GenerateCall:
         if self.padded and not self.regional:
             shapes.make_room_for_buckets()
         greedy = self.greedy
-        if not greedy and not self.dummy:
+        if self.sampling is not None or (not greedy and not self.dummy):
+            # Sampling on the device picks from the logits where they are (dummy rows included) afterwards.
             return call
         rows = self.batch if self.dummy else None
 

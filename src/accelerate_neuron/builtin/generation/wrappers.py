@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .. import overrides, shapes
-from . import cache, devices, draft, padding, speculation
+from . import cache, devices, draft, padding, sampling, speculation
 from .call import GenerateCall, current
 from .concurrency import one_call_at_a_time
 
@@ -171,7 +171,8 @@ def wrap_auto_compile(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``_sample``: greedy decoding picks the token on the device when nothing on the host needs the logits."""
+    """``_sample``: the next token picked on the device (greedy: the argmax; sampling: the whole draw, see
+    :mod:`.sampling`) when nothing on the host needs the logits."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -180,10 +181,29 @@ def wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
         if call is None:
             return original(self, *args, **kwargs)
         try:
-            bound = signature.bind_partial(self, *args, **kwargs).arguments
+            bound = signature.bind(self, *args, **kwargs)
         except TypeError:
             return original(self, *args, **kwargs)
-        call.choose_greedy(bound.get("input_ids"), bound.get("logits_processor"), bound.get("generation_config"))
+        arguments = bound.arguments
+        chosen = sampling.plan(
+            call, arguments.get("input_ids"), arguments.get("logits_processor"), arguments.get("generation_config")
+        )
+        if chosen is not None:
+            # Upstream's loop runs without processors and takes the argmax of the one-hot rows of the tokens
+            # drawn on the device; its own copy of the config says so (the caller's stays as it was).
+            from transformers.generation.logits_process import LogitsProcessorList
+
+            arguments["logits_processor"] = LogitsProcessorList()
+            arguments["generation_config"] = chosen.host_config
+            call.sampling = chosen
+            try:
+                with sampling.choosing_on(self, current):
+                    return original(*bound.args, **bound.kwargs)
+            finally:
+                call.sampling = None
+        call.choose_greedy(
+            arguments.get("input_ids"), arguments.get("logits_processor"), arguments.get("generation_config")
+        )
         try:
             return original(self, *args, **kwargs)
         finally:

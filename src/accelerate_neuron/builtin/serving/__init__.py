@@ -15,6 +15,9 @@ model on Neuron:
   cache's update, which upstream keeps out of the graph, runs the same eager
   shapes for every layer (:mod:`.cache_update`): the eager work is bounded by
   the buckets too;
+- a sampling step's per-request warpers run without sorting the vocabulary and
+  the draw uses the device's uniform random numbers instead of
+  ``torch.multinomial``, inside the compiled step (:mod:`.sampling`);
 - a request that cannot fit the KV cache gets a clear error (:mod:`.wrappers`);
   a prompt beyond the step's token budget is split across steps, as upstream does.
 
@@ -33,7 +36,7 @@ from typing import Any
 
 from ...hookspecs import hookimpl
 from ...patching import Patch
-from . import cache_update, plan, staging, steps, wrappers
+from . import cache_update, plan, sampling, staging, steps, wrappers
 
 CB = plan.CB
 _LACKING = (
@@ -122,6 +125,38 @@ def neuron_patches() -> list[Patch]:
             params=("self", "key_states", "value_states", "layer_idx", "kwargs"),
             needed=plan.without_step_padding,
             name="serving.traced_cache_update",
+        ),
+        Patch(
+            f"{CB}.cb_logits_processors",
+            "ContinuousBatchingLogitsProcessorList.__call__",
+            sampling.wrap_processor_list_call,
+            reason="on Neuron a sampling step's warpers (temperature, top-k, top-p, per request) run without sorting "
+            "the vocabulary: top-k on each row's best 256 tokens, top-p by bisection when there is no top-k",
+            lacking=_LACKING,
+            needed=plan.without_step_padding,
+            params=("input_ids", "scores", "logits_processor_args"),
+            name="serving.sampling_warpers",
+        ),
+        Patch(
+            f"{CB}.model_runner",
+            "ModelRunner._sample",
+            sampling.wrap_runner_sample,
+            reason="on Neuron the next token is drawn from the device's random numbers with uniform draws (the "
+            "exponential race) instead of torch.multinomial, inside the compiled step",
+            lacking=_LACKING,
+            needed=plan.without_step_padding,
+            params=("scores", "output_ids"),
+            name="serving.sampling_draw",
+        ),
+        Patch(
+            f"{CB}.model_runner",
+            "ModelRunner.__init__",
+            sampling.wrap_runner_init,
+            reason="a sampling runner on Neuron says once how it samples (its top-k bound)",
+            lacking=_LACKING,
+            needed=plan.without_step_padding,
+            params=("logit_processor", "cb_config", "do_sample"),
+            name="serving.sampling_announce",
         ),
         Patch(
             f"{CB}.continuous_api",
