@@ -252,6 +252,27 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
     return config
 
 
+#: Attribute beside upstream's ``_compiled_call`` where :func:`compile_refused_family` keeps its compiled call.
+_OWN_COMPILED = "_accelerate_neuron_compiled_call"
+
+
+def compile_refused_family(model: Any, compile_config: Any) -> Any:
+    """The model's call compiled with ``compile_config``, for a family whose ``get_compiled_call`` returns the
+    uncompiled call (Llama 4 on every supported release: "TODO ... HYBRID CACHE SUPPORT").
+
+    Upstream's reason is its own hybrid chunked cache; on Neuron the cache is static (chunked layers included),
+    and the decode step compiled over it gives the CPU's tokens (tests/test_families.py, llama4_text), while
+    eager decoding costs every op of the step as its own eager compile. Kept like upstream's ``_compiled_call``:
+    one per model and config.
+    """
+    config = compile_config or default_compile_config()
+    kept = getattr(model, _OWN_COMPILED, None)
+    if kept is None or kept[0] != config:
+        kept = (config, torch.compile(model.__call__, **config.to_dict()))
+        setattr(model, _OWN_COMPILED, kept)
+    return kept[1]
+
+
 #: Graphs one compiled generate() frame may hold: prefill and decode graphs of every bucket a job touches.
 #: Dynamo's default (8) would silently fall back to eager after the eighth.
 GRAPH_ROOM = 256

@@ -194,10 +194,19 @@ def wrap_get_compiled_call(original: Callable[..., Any]) -> Callable[..., Any]:
         call = current(self)
         if call is None:
             return original(self, compile_config)
-        # With regions, the model's call itself runs, its layers compiled (a whole-model graph is never built).
-        return call.compiled(call.regional_call() if call.regional else original(self, compile_config))
+        if call.regional:  # the model's call itself runs, its layers compiled (a whole-model graph is never built)
+            return call.compiled(call.regional_call())
+        compiled = original(self, compile_config)
+        if _bound_call_of(self, compiled):
+            compiled = cache.compile_refused_family(self, compile_config)
+        return call.compiled(compiled)
 
     return get_compiled_call
+
+
+def _bound_call_of(model: Any, fn: Any) -> bool:
+    """Whether ``fn`` is ``model.__call__`` itself: upstream declined to compile (Llama 4, every release)."""
+    return getattr(fn, "__self__", None) is model and getattr(fn, "__func__", None) is type(model).__call__
 
 
 def wrap_encoder_kwargs(original: Callable[..., Any]) -> Callable[..., Any]:
