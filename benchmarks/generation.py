@@ -64,9 +64,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import accelerate_neuron
 from accelerate_neuron import activation, hookimpl, plugins, simulator, tiny
 from accelerate_neuron import costs as _costs
+from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.generation import cache as gcache
 from accelerate_neuron.builtin.generation import devices as gdev
-from accelerate_neuron.builtin.generation import shapes
 from accelerate_neuron.costs import estimate
 from accelerate_neuron.simulator import neff_cache
 

@@ -19,8 +19,8 @@ import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from accelerate_neuron import hookimpl, plugins, simulator, tiny
+from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.generation import cache as gcache
-from accelerate_neuron.builtin.generation import shapes
 from test_generation import QWEN, T5, _clean_dynamo, model, on, reference, tok  # noqa: F401 - shared fixtures
 
 WORDS = tiny.CORPUS.split()

@@ -25,7 +25,7 @@ import transformers
 
 import accelerate_neuron
 from accelerate_neuron import simulator, tiny
-from accelerate_neuron.builtin.generation import shapes
+from accelerate_neuron.builtin import shapes
 from helpers import run_python
 
 TOLERANCE = 1e-5

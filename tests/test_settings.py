@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from accelerate_neuron import files, logs, plugins, settings, tiny
+from accelerate_neuron.builtin import shapes as gshapes
 from accelerate_neuron.builtin.generation import cache as gcache
-from accelerate_neuron.builtin.generation import shapes as gshapes
 from accelerate_neuron.builtin.serving import plan as serving_plan
 from accelerate_neuron.builtin.training import shapes as tshapes
 from accelerate_neuron.hookspecs import hookimpl

@@ -125,7 +125,7 @@ def is_warming_up() -> bool:
     ``generate()`` then returns stand-ins (the prompt, then pad tokens): a script skips its own side
     effects (writing results, sending them) with ``if not accelerate_neuron.is_warming_up(): ...``.
     """
-    from .builtin.warmup import session
+    from .builtin import precompile_session as session
 
     return session.current() is not None
 

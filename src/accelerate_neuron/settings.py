@@ -36,6 +36,9 @@ PREFIX = "ACCELERATE_NEURON_"
 ON_WORDS = frozenset({"1", "on", "true", "yes"})
 OFF_WORDS = frozenset({"0", "off", "false", "no", "none"})
 POW2 = "pow2"
+#: The largest bucket a setting accepts: a Neuron shape's sizes are 32-bit (the compiler downcasts int64 to int32),
+#: and a value past it fails deep inside torch instead of here.
+MAX_BUCKET = 2**31 - 1
 
 #: A bucket list: ``"pow2"`` (the capability's powers of two) or ascending ints; ``()`` is off.
 BucketSpec = str | tuple[int, ...]
@@ -97,6 +100,9 @@ def parse_buckets(value: Any) -> BucketSpec:
         raise ValueError("")
     if any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
         raise ValueError("")
+    too_large = [v for v in values if v > MAX_BUCKET]
+    if too_large:
+        raise ValueError(f"{too_large[0]} is larger than {MAX_BUCKET}, the largest size a shape holds")
     if list(values) != sorted(set(values)):
         raise ValueError("these are out of order, or a bucket repeats")
     return tuple(values)

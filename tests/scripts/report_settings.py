@@ -17,7 +17,7 @@ import torch  # noqa: F401 - activation: the block accelerate launch handed over
 
 import accelerate_neuron
 from accelerate_neuron import settings
-from accelerate_neuron.builtin.generation import shapes
+from accelerate_neuron.builtin import shapes
 
 
 def main() -> None:

@@ -20,3 +20,13 @@ def compile_options(answer: Mapping[str, Any], purpose: str) -> dict[str, Any]:
     values = {k: v for k, v in answer.items() if v is not None or k == "dynamic"}
     values.setdefault("mode", "default")  # torch.compile passes any other mode to a non-inductor backend
     return values
+
+
+def compile_config(purpose: str) -> Any:
+    """Transformers' ``CompileConfig`` from the ``neuron_compile_config`` hook's answer for ``purpose`` (generate()'s
+    decode step, continuous batching's step)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from ..plugins import call_hook
+
+    return CompileConfig(**compile_options(call_hook("neuron_compile_config", purpose=purpose) or {}, purpose))

@@ -8,7 +8,8 @@
   device just before each forward; the result returns on the caller's device
   (:mod:`.devices`).
 - Prompts are padded to length buckets and batches to size buckets, and the
-  prefill is compiled (:mod:`.shapes`, :mod:`.padding`).
+  prefill is compiled (the shape layer :mod:`..shapes` decides the buckets;
+  :mod:`.padding` is the padded layout of a call).
 - Static KV cache by default, its length bucketed, and the decode step
   compiled with the ``"neuron"`` backend on every supported Transformers
   release (:mod:`.cache`).
@@ -30,7 +31,7 @@ import torch
 from ... import settings
 from ...hookspecs import hookimpl
 from ...patching import Patch
-from . import cache, shapes, wrappers
+from . import cache, wrappers
 
 GEN = "transformers.generation.utils"
 _MIXIN = "GenerationMixin"
@@ -147,4 +148,4 @@ def neuron_static_cache_length(requested: int, max_position_embeddings: int | No
 
 @hookimpl
 def neuron_generation_shape_policy(max_position_embeddings: int | None) -> dict[str, Any] | None:
-    return shapes.default_policy(max_position_embeddings)
+    return {"prompt_buckets": settings.POW2, "batch_buckets": settings.POW2}

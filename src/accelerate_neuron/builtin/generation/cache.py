@@ -27,8 +27,8 @@ import torch
 
 from ... import logs, settings
 from ...plugins import call_hook
-from ..compile_options import compile_options
-from . import shapes
+from ..compile_options import compile_config
+from ..shapes import Buckets, max_positions, round_up_pow2
 from .devices import split_across_devices
 
 logger = logging.getLogger(__name__)
@@ -59,19 +59,9 @@ def bucket_length(requested: int, max_position_embeddings: int | None, spec: set
     if not spec or spec == "off" or requested <= 0:
         return requested
     if spec == settings.POW2:
-        length = max(MIN_POW2_BUCKET, 1 << (requested - 1).bit_length())
+        length = round_up_pow2(requested, MIN_POW2_BUCKET)
     else:
-        length = next((n for n in spec if n >= requested), requested)
-        if length == requested and requested not in spec:
-            logs.once(
-                logger,
-                ("generation.cache_beyond_largest", requested),
-                "accelerate_neuron: generate() needs a KV cache of %d positions, more than the largest bucket in "
-                "%s=%s; this length gets its own compiled graph. Add a larger bucket.",
-                requested,
-                BUCKETS_ENV,
-                ",".join(map(str, spec)),
-            )
+        length = Buckets(spec, "cache_buckets").pad_to(requested, "generate()", "KV-cache length")
     # Never beyond what the model can address, unless the request itself is.
     if max_position_embeddings and length > max_position_embeddings >= requested:
         length = max_position_embeddings
@@ -84,17 +74,17 @@ def cache_length(model: Any, requested: int) -> int:
     A bucket list the user chose (environment, config file) wins over any plugin; otherwise the
     ``neuron_static_cache_length`` hook answers (built-in: powers of two).
     """
-    max_positions = shapes.max_positions(model)
+    limit = max_positions(model)
     chosen = settings.explicit("cache_buckets")
     if chosen is not None:
-        return bucket_length(requested, max_positions, chosen.value)
-    answer = call_hook("neuron_static_cache_length", requested=requested, max_position_embeddings=max_positions)
+        return bucket_length(requested, limit, chosen.value)
+    answer = call_hook("neuron_static_cache_length", requested=requested, max_position_embeddings=limit)
     if answer is None:
         return requested
-    if isinstance(answer, bool) or not isinstance(answer, int) or answer < requested:
+    if isinstance(answer, bool) or not isinstance(answer, int) or not requested <= answer <= settings.MAX_BUCKET:
         raise ValueError(
-            f"neuron_static_cache_length returned {answer!r} for a request of {requested}: expected an int >= "
-            f"{requested}"
+            f"neuron_static_cache_length returned {answer!r} for a request of {requested}: expected an int from "
+            f"{requested} to {settings.MAX_BUCKET}"
         )
     return answer
 
@@ -123,7 +113,7 @@ def initialize_before_compiled_prefill(model: Any, cache: Any, batch_size: Any) 
 
 def _initialize_on_layer_devices(model: Any, cache_layers: Any, batch_size: int, shape: tuple[int, int]) -> None:
     """Each cache layer on the core of its decoder layer (a model split over cores; what 4.x's lazy init picks)."""
-    from ..regions.layers import blocks
+    from ..layer_regions import blocks
 
     decoder_layers = blocks(model)
     if len(decoder_layers) != len(cache_layers):
@@ -200,13 +190,6 @@ def choose_static_cache(model: Any, generation_config: Any, model_kwargs: dict[s
 # --- compiled decode ------------------------------------------------------------------------------
 
 
-def default_compile_config(purpose: str = "generate") -> Any:
-    """``CompileConfig`` from the ``neuron_compile_config`` hook's answer for ``purpose``."""
-    from transformers.generation.configuration_utils import CompileConfig
-
-    return CompileConfig(**compile_options(call_hook("neuron_compile_config", purpose=purpose) or {}, purpose))
-
-
 def _compileable_cache(model_kwargs: dict[str, Any]) -> bool:
     """Upstream's own cache criterion for auto-compile: a compileable cache that is not a DynamicCache."""
     cache = next((model_kwargs[k] for k in ("cache", "past_key_values") if model_kwargs.get(k) is not None), None)
@@ -245,7 +228,7 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
         _warn_split_model()
         return False
     if config is None:
-        config = default_compile_config()
+        config = compile_config("generate")
     elif not getattr(config, "_compile_all_devices", None):
         config = copy.copy(config)  # the caller's object stays as they made it
     config._compile_all_devices = True
@@ -256,46 +239,19 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
 _OWN_COMPILED = "_accelerate_neuron_compiled_call"
 
 
-def compile_refused_family(model: Any, compile_config: Any) -> Any:
-    """The model's call compiled with ``compile_config``, for a family whose ``get_compiled_call`` returns the
-    uncompiled call (Llama 4 on every supported release: "TODO ... HYBRID CACHE SUPPORT").
+def compile_refused_family(model: Any, given: Any) -> Any:
+    """The model's call compiled with ``given`` (a ``CompileConfig``; None: the generate defaults), for a family
+    whose ``get_compiled_call`` returns the uncompiled call (Llama 4 on every supported release: "TODO ... HYBRID
+    CACHE SUPPORT").
 
     Upstream's reason is its own hybrid chunked cache; on Neuron the cache is static (chunked layers included),
     and the decode step compiled over it gives the CPU's tokens (tests/test_families.py, llama4_text), while
     eager decoding costs every op of the step as its own eager compile. Kept like upstream's ``_compiled_call``:
     one per model and config.
     """
-    config = compile_config or default_compile_config()
+    config = given or compile_config("generate")
     kept = getattr(model, _OWN_COMPILED, None)
     if kept is None or kept[0] != config:
         kept = (config, torch.compile(model.__call__, **config.to_dict()))
         setattr(model, _OWN_COMPILED, kept)
     return kept[1]
-
-
-#: Graphs one compiled generate() frame may hold: prefill and decode graphs of every bucket a job touches.
-#: Dynamo's default (8) would silently fall back to eager after the eighth.
-GRAPH_ROOM = 256
-
-
-def make_room_for_buckets(
-    why: str = "generate() compiles one graph per prompt/batch/cache bucket", layers: int = 1
-) -> None:
-    """Raise Dynamo's recompile limits so the bucketed graphs of one frame never fall back to eager.
-
-    ``layers``: how many modules share the frame (decoder layers compiled as regions: Dynamo keeps one entry per
-    layer and shape, since each layer's index is a constant of its graph).
-    """
-    import torch._dynamo.config as dynamo_config
-
-    room = max(GRAPH_ROOM, layers * 64)
-    if dynamo_config.recompile_limit < room:
-        logger.info(
-            "accelerate_neuron: torch._dynamo.config.recompile_limit raised from %d to %d: %s in one frame",
-            dynamo_config.recompile_limit,
-            room,
-            why,
-        )
-        dynamo_config.recompile_limit = room
-    if getattr(dynamo_config, "accumulated_recompile_limit", room) < room:
-        dynamo_config.accumulated_recompile_limit = room

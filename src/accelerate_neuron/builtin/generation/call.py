@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from ... import device as neuron_device
-from ... import logs
-from .. import scope
-from ..regions import layers as regions
-from . import cache, devices, padding, shapes
+from ... import logs, settings
+from .. import layer_regions as regions
+from .. import scope, shapes
+from . import devices, padding
 
 logger = logging.getLogger(__name__)
 
@@ -123,14 +123,9 @@ class GenerateCall:
         if not policy.prompt_buckets and not policy.batch_buckets:
             return
         self.policy = policy
-        if policy.prompt_buckets:
-            bucket = policy.prompt_bucket(self.prompt)
-            if bucket is None:
-                shapes.warn_beyond_largest(
-                    "prompt length", self.prompt, policy.prompt_buckets, shapes.PROMPT_BUCKETS_ENV
-                )
-            elif self.prompt > 1:  # a one-token prompt already has the decode step's shape
-                self.pad = bucket - self.prompt
+        bucket = policy.prompt_buckets.pad_to(self.prompt, "generate()", "prompt length")
+        if self.prompt > 1:  # a one-token prompt already has the decode step's shape
+            self.pad = bucket - self.prompt
         # One chunk of the whole prompt: upstream then runs the prefill through the compiled call (both 4.x and
         # 5.x compile chunked prefills), one graph per bucket. 4.x prefills all but the last token there.
         # generate() works on its own copy of the generation config, so the caller's stays as it was.
@@ -140,9 +135,7 @@ class GenerateCall:
         self.may_add_rows = (
             self.chunked and bool(policy.batch_buckets) and mode in _ROW_MODES and self._compiles(generation_config)
         )
-        pad_id = getattr(self.model.config, "pad_token_id", None)
-        vocab = getattr(self.model.config, "vocab_size", None)
-        self.filler = pad_id if isinstance(pad_id, int) and isinstance(vocab, int) and 0 <= pad_id < vocab else 0
+        self.filler = shapes.pad_id(self.model.config, vocab=getattr(self.model.config, "vocab_size", None))
 
     def _unbucketed_reason(self, generation_config: Any, model_kwargs: dict[str, Any], mode: str) -> str | None:
         if getattr(generation_config, "cache_implementation", None) != "static":
@@ -203,14 +196,14 @@ class GenerateCall:
             "buckets (%s), and compiles the prefill, so varied prompts reuse a few compiled graphs (this call: "
             "prompt %d -> %d tokens, batch %d -> %d rows; results are the unpadded ones). Opt out with %s=off and "
             "%s=off.",
-            shapes.short(policy.prompt_buckets),
-            shapes.short(policy.batch_buckets),
+            policy.prompt_buckets.short(),
+            policy.batch_buckets.short(),
             self.prompt,
             self.prompt + self.pad,
             self.batch,
             self.batch + self.dummy,
-            shapes.PROMPT_BUCKETS_ENV,
-            shapes.BATCH_BUCKETS_ENV,
+            settings.env_name("prompt_buckets"),
+            settings.env_name("batch_buckets"),
         )
 
     # ------------------------------------------------------------------ the KV cache's shape
@@ -220,12 +213,9 @@ class GenerateCall:
         if isinstance(batch, int):
             self.batch = batch
             if self.may_add_rows and self.policy is not None:
-                bucket = self.policy.batch_bucket(batch)
-                if bucket is None:
-                    shapes.warn_beyond_largest("batch size", batch, self.policy.batch_buckets, shapes.BATCH_BUCKETS_ENV)
-                else:
-                    self.dummy = bucket - batch
-                    batch = bucket
+                bucket = self.policy.batch_buckets.pad_to(batch, "generate()", "batch size")
+                self.dummy = bucket - batch
+                batch = bucket
         if isinstance(requested, int):
             requested += self.pad
         return batch, requested
@@ -274,7 +264,7 @@ class GenerateCall:
     def compiled(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """Upstream's compiled forward, followed by the greedy pick on the device or the dummy rows' cut."""
         if self.padded and not self.regional:
-            cache.make_room_for_buckets()
+            shapes.make_room_for_buckets()
         greedy = self.greedy
         if not greedy and not self.dummy:
             return call
@@ -284,7 +274,7 @@ class GenerateCall:
             outputs = call(*args, **kwargs)
             if greedy:
                 return devices.select_greedy(outputs, rows)
-            return padding.cut_dummy_rows(outputs, self.batch, self.dummy)
+            return shapes.last_logits_of_rows(outputs, self.batch, self.batch + self.dummy)
 
         return compiled_then_select
 
@@ -296,7 +286,7 @@ class GenerateCall:
             # 5.x: "cache" (and "past_key_values" an alias of it, not a key); 4.x: the latter.
             for key in _RETURNED_CACHE:
                 if key in result.keys() and result[key] is not None:
-                    result[key] = padding.unpadded_cache(result[key], self.pad, self.batch)
+                    result[key] = shapes.unpadded_static_cache(result[key], self.pad, self.batch)
         return devices.send_back(result, self.caller)
 
 

@@ -11,13 +11,15 @@ moving; :class:`~.call.GenerateCall` decides when.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
 from ... import device as neuron_device
 from ...plugins import call_hook
+from ..model_devices import model_device, move, split_across_devices
+
+__all__ = ["bring_home", "model_device", "move", "select_greedy", "send_back", "split_across_devices", "tensor_device"]
 
 #: Keyword arguments of ``generate`` that the loop grows, or that decide the
 #: device of what it grows (``inputs_tensor.device`` in upstream's code).
@@ -38,54 +40,6 @@ GROWING = (
 PRIMARY = ("inputs", "input_ids", "inputs_embeds", "decoder_input_ids")
 #: Output fields left where the model keeps them.
 KEEP_IN_PLACE = frozenset({"past_key_values", "cache", "cache_params"})
-
-
-def model_device(model: Any) -> torch.device | None:
-    """The model's Neuron device, or ``None`` if it is not on Neuron."""
-    try:
-        dev = model.device
-    except Exception:  # no parameters, or not a PreTrainedModel
-        return None
-    if isinstance(dev, torch.device) and dev.type == neuron_device.DEVICE_TYPE:
-        return dev
-    return None
-
-
-def split_across_devices(model: Any) -> bool:
-    """Whether ``model`` was dispatched over several devices (Accelerate's ``hf_device_map``)."""
-    device_map = getattr(model, "hf_device_map", None)
-    if not isinstance(device_map, dict):
-        return False
-    return len({str(d) for d in device_map.values() if str(d) not in ("cpu", "disk")}) > 1
-
-
-def move(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor (also nested in dicts, lists, tuples) on ``device``.
-
-    Containers are rebuilt only if something moved, so ``ModelOutput`` and
-    ``Cache`` objects keep their identity (caches are never moved: they live
-    on the model's device by construction).
-    """
-    if isinstance(value, torch.Tensor):
-        return value if value.device == device else value.to(device)
-    if isinstance(value, dict):
-        moved = {k: move(v, device) for k, v in value.items()}
-        if all(moved[k] is value[k] for k in moved):
-            return value
-        if type(value) is dict:
-            return moved
-        out = copy.copy(value)
-        for k, v in moved.items():
-            out[k] = v
-        return out
-    if isinstance(value, list | tuple):
-        items = [move(v, device) for v in value]
-        if all(a is b for a, b in zip(items, value, strict=True)):
-            return value
-        if hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*items)
-        return type(value)(items)
-    return value
 
 
 def tensor_device(name: str, dev: torch.device) -> torch.device | None:

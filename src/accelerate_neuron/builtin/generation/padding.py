@@ -25,23 +25,17 @@ only the forward passes see padded shapes:
 
 from __future__ import annotations
 
-import copy
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ... import logs
-from . import shapes
+from .. import shapes
 
 if TYPE_CHECKING:
     from .call import GenerateCall
 
-logger = logging.getLogger(__name__)
-
 #: Tensors of a decoder forward whose last dimension is the sequence (the columns ``pad`` extends).
 _SEQUENCE_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids")
-_PAD_VALUE = {"attention_mask": 0, "position_ids": 1, "token_type_ids": 0}  # 1: upstream's own fill for pads
 
 
 def returns_padded_shapes(generation_config: Any) -> bool:
@@ -49,15 +43,10 @@ def returns_padded_shapes(generation_config: Any) -> bool:
     return any(getattr(generation_config, k, False) for k in ("output_attentions", "output_hidden_states"))
 
 
-def _cat_columns(value: torch.Tensor, pad: int, fill: int) -> torch.Tensor:
-    shape = (*value.shape[:-1], pad)
-    return torch.cat([torch.full(shape, fill, dtype=value.dtype, device=value.device), value], dim=-1)
-
-
 def _add_rows(value: torch.Tensor, batch: int, dummy: int) -> torch.Tensor:
     if value.dim() == 0 or value.shape[0] != batch:
         return value  # not batched (e.g. a [1, n] position row shared by every row)
-    return torch.cat([value, value[:1].expand(dummy, *value.shape[1:])], dim=0)
+    return shapes.add_rows(value, batch + dummy)
 
 
 def _chunk_arange_positions(position_ids: Any, cache_position: Any) -> bool:
@@ -92,10 +81,11 @@ def pad_forward_inputs(
             # Upstream drops an all-ones mask; the padded layout needs one (0 on the pad).
             seen = int(cache_position[-1]) + 1 if isinstance(cache_position, torch.Tensor) else ids.shape[1]
             kwargs["attention_mask"] = torch.ones((ids.shape[0], seen), dtype=torch.long, device=ids.device)
+        fills = shapes.pad_values(call.filler, keys=_SEQUENCE_INPUTS)
         for name in _SEQUENCE_INPUTS:
             value = kwargs.get(name)
             if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                kwargs[name] = _cat_columns(value, call.pad, _PAD_VALUE.get(name, call.filler))
+                kwargs[name] = shapes.pad_columns(value, value.shape[-1] + call.pad, fills[name], left=True)
         if isinstance(cache_position, torch.Tensor):
             shifted = cache_position + call.pad
             if first:
@@ -111,81 +101,6 @@ def pad_forward_inputs(
     return (ids, *args), kwargs
 
 
-def cut_dummy_rows(outputs: Any, batch: int, dummy: int) -> Any:
-    """Upstream sees ``batch`` rows of logits: the ``dummy`` rows' are dropped (on the host, after the forward)."""
-    logits = getattr(outputs, "logits", None)
-    if dummy and isinstance(logits, torch.Tensor) and logits.shape[0] == batch + dummy:
-        # The cut is made on the host: a device-side slice would have one shape per real batch size.
-        outputs.logits = logits[:, -1:].to("cpu")[:batch]
-    return outputs
-
-
-# --- the cache the caller gets back -----------------------------------------------------------------
-
-
-def _layers(cache: Any) -> list[Any] | None:
-    layers = getattr(cache, "layers", None)
-    if not isinstance(layers, list) or not layers:
-        return None
-    if not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
-        return None
-    return layers
-
-
-def unpadded_cache(cache: Any, pad: int, batch: int) -> Any:
-    """A copy of a returned static cache in the caller's layout: pad slots and dummy rows removed.
-
-    Upstream may keep and reuse the cache object it built (Transformers 4.x keeps
-    ``model._cache``), so the caller gets a copy; the one upstream holds keeps the
-    padded layout its next call expects. A cache structure this does not know is
-    returned as is, with a warning once.
-    """
-    if cache is None:
-        return cache
-    inner = getattr(cache, "self_attention_cache", cache)
-    layers = _layers(inner)
-    if layers is None:
-        _warn_layout(type(cache).__name__)
-        return cache
-    rows = slice(0, batch)
-    copied = []
-    for layer in layers:
-        new = copy.copy(layer)
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name)
-            moved = torch.zeros_like(tensor[rows])
-            length = tensor.shape[-2] - pad
-            moved[..., :length, :] = tensor[rows, :, pad:, :]
-            setattr(new, name, moved)
-        for name in ("batch_size", "max_batch_size"):
-            if isinstance(getattr(layer, name, None), int):
-                setattr(new, name, batch)
-        seen = getattr(layer, "cumulative_length", None)
-        if isinstance(seen, torch.Tensor):
-            new.cumulative_length = (seen - pad).clamp_(min=0)
-        elif isinstance(seen, int):
-            new.cumulative_length = max(seen - pad, 0)
-        copied.append(new)
-    new_inner = copy.copy(inner)
-    new_inner.layers = copied
-    if inner is cache:
-        return new_inner
-    new_cache = copy.copy(cache)
-    new_cache.self_attention_cache = new_inner
-    return new_cache
-
-
-def _warn_layout(name: str) -> None:
-    logs.once(
-        logger,
-        ("generation.cache_layout", name),
-        "accelerate_neuron: the %s returned by generate() holds the bucketed layout (pad slots first, dummy rows "
-        "last): it cannot be passed back to generate() as is. Set ACCELERATE_NEURON_PROMPT_BUCKETS=off and "
-        "ACCELERATE_NEURON_BATCH_BUCKETS=off for calls whose cache you reuse.",
-        name,
-    )
-
-
 # --- encoder-decoder models: the encoder input length ---------------------------------------------
 
 
@@ -195,23 +110,17 @@ def encoder_pad(inputs_tensor: Any, generation_config: Any) -> int:
         return 0
     if returns_padded_shapes(generation_config):
         return 0
-    policy = shapes.resolve_policy(None)
     length = inputs_tensor.shape[1]
-    bucket = policy.prompt_bucket(length)
-    if bucket is None:
-        if policy.prompt_buckets:
-            shapes.warn_beyond_largest("prompt length", length, policy.prompt_buckets, shapes.PROMPT_BUCKETS_ENV)
-        return 0
-    return bucket - length
+    return shapes.resolve_policy(None).prompt_buckets.pad_to(length, "generate()", "prompt length") - length
 
 
 def pad_encoder_inputs(
     inputs_tensor: torch.Tensor, model_kwargs: dict[str, Any], pad: int, filler: int
 ) -> torch.Tensor:
     """Right-pad the encoder's ids (and its attention mask, 0 on the pad) by ``pad`` columns, in ``model_kwargs``."""
-    rows = inputs_tensor.shape[0]
     mask = model_kwargs.get("attention_mask")
     if mask is None:
         mask = torch.ones(inputs_tensor.shape, dtype=torch.long, device=inputs_tensor.device)
-    model_kwargs["attention_mask"] = torch.cat([mask, mask.new_zeros((rows, pad))], dim=-1)
-    return torch.cat([inputs_tensor, inputs_tensor.new_full((rows, pad), filler)], dim=-1)
+    length = inputs_tensor.shape[1] + pad
+    model_kwargs["attention_mask"] = shapes.pad_columns(mask, length, shapes.PAD_VALUES["attention_mask"])
+    return shapes.pad_columns(inputs_tensor, length, filler)

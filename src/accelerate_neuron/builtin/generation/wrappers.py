@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import overrides
+from .. import overrides, shapes
 from . import cache, devices, padding
 from .call import GenerateCall, current
 from .concurrency import one_call_at_a_time
@@ -229,10 +229,8 @@ def wrap_encoder_kwargs(original: Callable[..., Any]) -> Callable[..., Any]:
         if pad:
             # The encoder runs once per call: bucketing its length keeps its eager ops and the decoder's
             # cross-attention graphs to one shape per bucket. model_kwargs keeps the padded mask for the decoder.
-            filler = getattr(self.config, "pad_token_id", None)
-            inputs_tensor = padding.pad_encoder_inputs(
-                inputs_tensor, model_kwargs, pad, filler if isinstance(filler, int) and filler >= 0 else 0
-            )
+            filler = shapes.pad_id(self.config, vocab=getattr(self.config, "vocab_size", None))
+            inputs_tensor = padding.pad_encoder_inputs(inputs_tensor, model_kwargs, pad, filler)
         for_encoder = {
             k: v if k.startswith(_NOT_FOR_ENCODER) else devices.move(v, dev) for k, v in model_kwargs.items()
         }

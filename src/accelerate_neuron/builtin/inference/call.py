@@ -17,7 +17,7 @@ compiles, on Neuron. A :class:`ForwardCall` instead
    settings (one graph per length bucket x batch bucket), or, for a model split
    over several cores (or with ``compile_regions=layers``), with each decoder
    layer compiled on its own core (:mod:`..regions`; eager without regions);
-4. cuts every output back to the caller's rows and length (:mod:`.outputs`).
+4. cuts every output back to the caller's rows and length (:mod:`..shapes.cut`).
 
 Padding on the right keeps every real token at its position, and the attention
 mask keeps the real tokens from attending to the pad, so the results equal the
@@ -42,20 +42,18 @@ from typing import Any
 
 import torch
 
-from ... import device as neuron_device
 from ... import logs, settings
 from ...plugins import call_hook
-from .. import scope
+from .. import layer_regions as regions
+from .. import scope, shapes
 from ..compile_options import compile_options
-from ..generation import shapes
-from ..generation.cache import make_room_for_buckets
-from ..regions import layers as regions
-from .outputs import Cut, Unplaced
+from ..model_devices import model_device
+from ..shapes import Cut, Unplaced
 
 logger = logging.getLogger(__name__)
 
-#: Sequence-shaped inputs the padded layout knows, with their pad value (None: the model's pad token id).
-PAD_VALUES: dict[str, int | None] = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0}
+#: Sequence-shaped inputs the padded layout knows (their pad values: the shape layer's table).
+SEQUENCE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 #: Inputs whose size per row the processor fixed (images, audio features): only the batch is bucketed. An
 #: ``attention_mask`` beside them is per row too (wav2vec2's, over audio samples).
 FIXED_SIZE_INPUTS = frozenset({"pixel_values", "input_features", "input_values", "pixel_mask"})
@@ -82,13 +80,6 @@ def _skip(model: Any, reason: str) -> None:
         reason,
         level=logging.DEBUG,
     )
-
-
-def model_device(model: Any) -> torch.device | None:
-    """The Neuron core holding ``model``'s first parameter, or None (not on Neuron)."""
-    for param in model.parameters():
-        return param.device if param.device.type == neuron_device.DEVICE_TYPE else None
-    return None
 
 
 @dataclass
@@ -137,7 +128,7 @@ class ForwardCall:
             if ids is None or ids.dim() != 2 or ids.is_floating_point():
                 _skip(model, "no 2-D token ids, images or audio features (inputs_embeds ... keep their own shapes)")
                 return None
-            unknown = sorted(k for k in inputs if k not in PAD_VALUES)
+            unknown = sorted(k for k in inputs if k not in SEQUENCE_INPUTS)
             if unknown:
                 _skip(model, f"inputs {unknown} (only token ids, masks, token types and positions are padded)")
                 return None
@@ -162,52 +153,30 @@ class ForwardCall:
 
     def pad(self) -> dict[str, torch.Tensor]:
         """The inputs at the bucketed shape, on the model's core."""
-        limit = shapes.max_positions(self.model)
-        policy = shapes.resolve_policy(limit)
-        self.padded_length = self._bucket(policy.prompt_buckets, self.length, "sequence length") if self.tokens else 0
-        if limit and self.padded_length > limit >= self.length:  # never past the positions the model has
-            self.padded_length = limit
-        self.padded_rows = self._bucket(policy.batch_buckets, self.rows, "batch size")
+        policy = shapes.resolve_policy(shapes.max_positions(self.model))  # capped at the model's positions
+        if self.tokens:
+            self.padded_length = policy.prompt_buckets.pad_to(self.length, "an inference call", "sequence length")
+        self.padded_rows = policy.batch_buckets.pad_to(self.rows, "an inference call", "batch size")
         inputs = dict(self.inputs)
         if self.padded_rows == self.rows and self.padded_length == self.length:  # nothing to pad: no host trip
             return {name: value.to(self.device) for name, value in inputs.items()}
         if "attention_mask" not in inputs and self.padded_length > self.length:
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        config = getattr(self.model, "config", None)
+        fills = shapes.pad_values(
+            shapes.pad_id(config, vocab=getattr(config, "vocab_size", None)), keys=SEQUENCE_INPUTS
+        )
         padded = {}
         for name, value in inputs.items():
             host = value.to("cpu")  # padded on the host: no device op sees the real length
-            if self.padded_length > self.length:
-                fill = PAD_VALUES[name]
-                if fill is None:
-                    fill = pad_id if isinstance(pad_id, int) and pad_id >= 0 else 0
-                host = torch.nn.functional.pad(host, (0, self.padded_length - self.length), value=fill)
-            if self.padded_rows > self.rows:  # copies of row 0: no row is all padding
-                host = torch.cat([host, host[:1].expand(self.padded_rows - self.rows, *host.shape[1:])])
-            padded[name] = host.to(self.device)
+            if self.tokens:  # images and audio keep their size: rows only
+                host = shapes.pad_columns(host, self.padded_length, fills[name])
+            padded[name] = shapes.add_rows(host, self.padded_rows).to(self.device)
         return padded
 
     @property
     def changes_shapes(self) -> bool:
         return self.padded_rows != self.rows or self.padded_length != self.length
-
-    def _bucket(self, buckets: tuple[int, ...], value: int, what: str) -> int:
-        if not buckets:
-            return value
-        bucket = next((b for b in buckets if b >= value), None)
-        if bucket is None:
-            logs.once(
-                logger,
-                ("inference.beyond_largest", what, value),
-                "accelerate_neuron: an inference call got a %s of %d, more than the largest bucket (%d); it runs at "
-                "its own shape and compiles its own graph. Add a larger bucket with %s.",
-                what,
-                value,
-                buckets[-1],
-                shapes.PROMPT_BUCKETS_ENV if what == "sequence length" else shapes.BATCH_BUCKETS_ENV,
-            )
-            return value
-        return bucket
 
     # ------------------------------------------------------------------ the forward
 
@@ -261,7 +230,7 @@ def compiled_call(model: Any, call: Callable[..., Any]) -> Callable[..., Any]:
     with _compiled_lock:
         compiled = _compiled.get(model)
         if compiled is None:
-            make_room_for_buckets()
+            shapes.make_room_for_buckets()
             compiled = _compiled[model] = torch.compile(call, **compile_settings())
     return compiled
 
@@ -337,7 +306,7 @@ def bucketed(
             call.padded_rows,
             call.length,
             call.padded_length,
-            shapes.PROMPT_BUCKETS_ENV,
+            settings.env_name("prompt_buckets"),
             str(exc).splitlines()[0],
         )
         return False, None

@@ -4,7 +4,8 @@ A NEFF runs on one NeuronCore, so a model that ``device_map="auto"`` spread
 over several cores cannot be one compiled graph: without regions its
 ``generate()`` and inference calls run eagerly, op by op. Here every decoder
 layer (the model's repeated block, the classes in ``_no_split_modules``) is
-compiled on its own (:mod:`.layers`):
+compiled on its own (:mod:`..layer_regions`, the shared module the calling
+plugins install regions through):
 
 - each layer runs compiled on the core holding its weights; Accelerate's hooks
   move the activations between cores at layer boundaries, outside the graphs;
@@ -20,7 +21,7 @@ The ``compile_regions`` setting chooses (``off``, ``layers``, ``auto``: layers
 for a model split over cores, the whole model on one core). The callers are
 ``generate()`` (:mod:`..generation`) and bucketed inference calls
 (:mod:`..inference`); a model call already being compiled as a whole is never
-compiled again region by region (:func:`.layers.compiled_layers`).
+compiled again region by region (:func:`..layer_regions.compiled_layers`).
 
 Hook with a built-in answer here: ``neuron_compile_config`` (purpose ``"region"``);
 no answer (this plugin disabled) turns regions off.

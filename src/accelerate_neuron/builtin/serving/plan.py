@@ -23,16 +23,18 @@ what the caller set in its ``ContinuousBatchingConfig`` wins over all of them.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ... import device as neuron_device
 from ... import logs, settings
 from ...sizes import format_size
+from ..compile_options import compile_config
+from ..shapes import Buckets, buckets, hook_answer
+from ..shapes import pow2 as pow2_buckets
+from ..upstream_features import CB, without_step_padding
 
 logger = logging.getLogger(__name__)
 
@@ -53,59 +55,44 @@ MEMORY_SHARE = 0.9
 #: Where the plan rides on the resolved ContinuousBatchingConfig (upstream deep-copies it: the plan goes along).
 PLAN_ATTR = "_accelerate_neuron_serving_plan"
 _KEYS = ("token_buckets", "kv_buckets", "kv_cache_tokens")
-CB = "transformers.generation.continuous_batching"
 
-
-def without_step_padding(_original: Any = None) -> str | None:
-    """Feature probe of the patches: the release's continuous batching pads and compiles its step (``model_runner``)."""
-    if importlib.util.find_spec(f"{CB}.model_runner") is None:
-        return (
-            f"this release's continuous batching has no {CB}.model_runner (no step padding or compile configs, "
-            "e.g. 4.57): left as upstream has it"
-        )
-    return None
+__all__ = ["CB", "ServingPlan", "apply", "capacity", "of", "resolve", "with_intervals", "without_step_padding"]
 
 
 @dataclass(frozen=True)
 class ServingPlan:
     """The buckets of continuous batching on Neuron, and which dimensions the caller pads upstream's way."""
 
-    token_buckets: tuple[int, ...]  # ascending; the last is the step's token budget (empty: buckets off)
-    kv_buckets: tuple[int, ...]  # ascending; the cache's capacity is added as the last at run time
+    token_buckets: Buckets  # the last is the step's token budget (empty: buckets off)
+    kv_buckets: Buckets  # the cache's capacity is added as the last at run time
     kv_cache_tokens: int
     compiled: bool = True  # steps padded and compiled (False: buckets off, upstream's eager path)
     queries_by_interval: bool = False  # the caller set q_padding_interval_size: upstream pads queries
     kv_by_interval: bool = False  # the caller set kv_padding_interval_size: upstream pads KV reads
 
+    def __post_init__(self) -> None:  # plain lists are accepted (a plugin's, a test's): checked as buckets
+        object.__setattr__(self, "token_buckets", Buckets(self.token_buckets, "serving_token_buckets"))
+        object.__setattr__(self, "kv_buckets", Buckets(self.kv_buckets, "serving_kv_buckets"))
+
+    def token_grid(self, budget: int) -> Buckets:
+        """The query-token buckets under a step budget of ``budget`` tokens (which is the last)."""
+        return self.token_buckets.ending_at(budget)
+
+    def kv_grid(self, capacity: int) -> Buckets:
+        """The KV buckets for a cache of ``capacity`` tokens (which is the last)."""
+        return self.kv_buckets.ending_at(capacity)
+
     def token_bucket(self, tokens: int, budget: int) -> int:
         """Query tokens a step of ``tokens`` is padded to (``budget``: the step's largest, always a bucket)."""
-        return _smallest_at_least([b for b in self.token_buckets if b < budget] + [budget], tokens)
-
-    def kv_grid(self, capacity: int) -> tuple[int, ...]:
-        """The KV buckets for a cache of ``capacity`` tokens (which is the last)."""
-        return (*(b for b in self.kv_buckets if b < capacity), capacity)
+        return self.token_grid(budget).pad_to(tokens, "continuous batching", "step of query tokens")
 
     def kv_bucket(self, tokens: int, capacity: int) -> int:
         """KV tokens a step reading ``tokens`` is padded to (upstream reads one interval even when 0)."""
-        return _smallest_at_least(self.kv_grid(capacity), max(tokens, 1))
+        return self.kv_grid(capacity).pad_to(max(tokens, 1), "continuous batching", "step of KV tokens")
 
     def grid(self, budget: int, capacity: int) -> list[tuple[int, int]]:
         """Every (query tokens, KV tokens) shape a step can have: what a warm-up compiles."""
-        tokens = [b for b in self.token_buckets if b < budget] + [budget]
-        return [(q, kv) for q in tokens for kv in self.kv_grid(capacity)]
-
-
-def _smallest_at_least(buckets: Sequence[int], value: int) -> int:
-    return next((b for b in buckets if b >= value), buckets[-1])
-
-
-def pow2(low: int, high: int) -> tuple[int, ...]:
-    """Powers of two from ``low`` up to ``high`` (``high`` is the last, a power of two or not)."""
-    values, value = [], low
-    while value < high:
-        values.append(value)
-        value *= 2
-    return (*values, high)
+        return [(q, kv) for q in self.token_grid(budget) for kv in self.kv_grid(capacity)]
 
 
 def kv_bytes_per_token(config: Any) -> int:
@@ -132,23 +119,29 @@ def default_policy() -> dict[str, Any]:
 
 def resolve(config: Any, device: Any) -> ServingPlan:
     """The plan in force for a model of ``config`` on Neuron ``device`` (buckets off: not ``compiled``)."""
-    from ...plugins import call_hook
-
     per_token = kv_bytes_per_token(config)
     positions = getattr(config, "max_position_embeddings", None)
-    answer = call_hook("neuron_serving_shape_policy", max_position_embeddings=positions, kv_bytes_per_token=per_token)
-    if answer is not None and (not isinstance(answer, dict) or set(answer) - set(_KEYS)):
-        raise ValueError(f"neuron_serving_shape_policy returned {answer!r}: expected a dict with keys among {_KEYS}")
-    chosen = {key: settings.resolve(f"serving_{key}", hook=lambda k=key: (answer or {}).get(k)) for key in _KEYS}
-    tokens, kv = chosen["token_buckets"].value, chosen["kv_buckets"].value
-    cache_tokens = _fitting_cache_tokens(chosen["kv_cache_tokens"], per_token, device)
-    if not tokens or not kv:
-        return ServingPlan((), (), cache_tokens, compiled=False)
-    return ServingPlan(
-        token_buckets=pow2(MIN_TOKEN_BUCKET, MAX_TOKEN_BUCKET) if tokens == settings.POW2 else tokens,
-        kv_buckets=pow2(MIN_KV_BUCKET, cache_tokens) if kv == settings.POW2 else kv,
-        kv_cache_tokens=cache_tokens,
+    answer = hook_answer(
+        "neuron_serving_shape_policy", _KEYS, max_position_embeddings=positions, kv_bytes_per_token=per_token
     )
+    cache_tokens = _fitting_cache_tokens(
+        settings.resolve("serving_kv_cache_tokens", hook=lambda: answer.get("kv_cache_tokens")), per_token, device
+    )
+    tokens = buckets(
+        "serving_token_buckets",
+        answer,
+        "token_buckets",
+        lambda: pow2_buckets(MIN_TOKEN_BUCKET, MAX_TOKEN_BUCKET, "serving_token_buckets"),
+    )
+    kv = buckets(
+        "serving_kv_buckets",
+        answer,
+        "kv_buckets",
+        lambda: pow2_buckets(MIN_KV_BUCKET, cache_tokens, "serving_kv_buckets"),
+    )
+    if not tokens or not kv:
+        return ServingPlan(Buckets(), Buckets(), cache_tokens, compiled=False)
+    return ServingPlan(token_buckets=tokens, kv_buckets=kv, kv_cache_tokens=cache_tokens)
 
 
 def _fitting_cache_tokens(chosen: settings.Value, per_token: int, device: Any) -> int:
@@ -198,8 +191,6 @@ def apply(plan: ServingPlan, cb_config: Any) -> Any:
     """
     from transformers.generation.configuration_utils import CompileConfig
 
-    from ..generation.cache import default_compile_config
-
     chosen = copy.deepcopy(cb_config)
     if chosen.num_blocks is None:
         # Upstream sizes the cache from the memory of CUDA, XPU, MPS or else the host: on Neuron, the host's.
@@ -211,9 +202,9 @@ def apply(plan: ServingPlan, cb_config: Any) -> Any:
     if chosen.max_requests_per_batch is None:
         chosen.max_requests_per_batch = min(MAX_REQUESTS, chosen.max_batch_tokens)
     if chosen.varlen_compile_config is None:
-        compile_config = default_compile_config("serving")
-        if isinstance(compile_config, CompileConfig):
-            chosen.varlen_compile_config = compile_config
+        step_config = compile_config("serving")
+        if isinstance(step_config, CompileConfig):
+            chosen.varlen_compile_config = step_config
     return chosen
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ... import device as neuron_device
-from ..generation.devices import move
+from ..model_devices import move
 
 _NOT_MOVED = ("cache",)  # the paged cache object lives on the device by construction
 

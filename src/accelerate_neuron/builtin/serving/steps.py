@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import logs
-from ..generation.cache import make_room_for_buckets
-from ..training import watchdog
-from ..warmup import session
-from ..warmup.generation import model_tag
+from .. import compile_counter
+from .. import precompile_session as session
+from ..model_tag import model_tag
+from ..shapes import make_room_for_buckets
 from . import plan as serving_plan
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, model)
         warm = session.current()
         started = time.perf_counter()
-        before = watchdog.compile_count() if watchdog.ensure_compile_counter() else None
+        before = compile_counter.compile_count() if compile_counter.ensure_compile_counter() else None
         for tokens, kv in shapes:
             shape = {"model": model_tag(model), "tokens": tokens, "kv": kv}
             if warm is not None and not warm.claim("continuous_batching", shape, GRAPHS_PER_SHAPE):
@@ -98,7 +98,7 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
                 warm.done("continuous_batching", shape, time.perf_counter() - shape_started)
         self.cache.reset()  # the warm-up's requests leave no block behind
         setattr(self, _WARMED, set(shapes))
-        compiled = "" if before is None else f", {watchdog.compile_count() - before} Dynamo compile(s)"
+        compiled = "" if before is None else f", {compile_counter.compile_count() - before} Dynamo compile(s)"
         logger.info(
             "accelerate_neuron: continuous batching warmed %d step shape(s) (query tokens x KV tokens) in %.1f s%s",
             len(shapes),
@@ -113,11 +113,11 @@ def wrap_compute_batch(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
         warmed = getattr(self, _WARMED, None)
-        if not warmed or not watchdog.ensure_compile_counter():
+        if not warmed or not compile_counter.ensure_compile_counter():
             return original(self, model, batch_data)
-        before = watchdog.compile_count()
+        before = compile_counter.compile_count()
         result = original(self, model, batch_data)
-        if watchdog.compile_count() > before:
+        if compile_counter.compile_count() > before:
             _warn_compiled_after_warmup(batch_data, warmed)
         return result
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import logs
-from .shapes import PAD_VALUES, ShapePolicy, pad_batch
+from ..shapes import pad_id, pad_values
+from .shapes import ShapePolicy, pad_batch
 
 logger = logging.getLogger(__name__)
 
@@ -76,23 +77,13 @@ def pad_values_for(collator: Any, policy: ShapePolicy, tokenizer: Any = None, co
     """
     tokenizer = tokenizer if tokenizer is not None else collator_tokenizer(collator)
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's tokenizer
-    pad_id = getattr(tokenizer, "pad_token_id", None)
-    if pad_id is None:
-        pad_id = collator_attr(collator, "pad_token_id")
-    if pad_id is None:
-        pad_id = getattr(config, "pad_token_id", None)
-    pad_type = getattr(tokenizer, "pad_token_type_id", 0) or 0
-    values: dict[str, Any] = {}
-    for key, value in PAD_VALUES.items():
-        if value == "pad":
-            value = pad_id if isinstance(pad_id, int) else 0
-        elif value == "pad_type":
-            value = pad_type
-        values[key] = value
+    token = pad_id(
+        tokenizer, collator_attr(collator, "pad_token_id"), config, vocab=getattr(config, "vocab_size", None)
+    )
+    values: dict[str, Any] = pad_values(token, pad_type=getattr(tokenizer, "pad_token_type_id", 0) or 0)
     label_pad = collator_attr(collator, "label_pad_token_id")
-    values["labels"] = label_pad if isinstance(label_pad, int) else -100
-    for key in list(values):
-        values[f"decoder_{key}"] = values[key]
+    if isinstance(label_pad, int):
+        values["labels"] = values["decoder_labels"] = label_pad
     values.update(policy.pad_values)
     return values
 

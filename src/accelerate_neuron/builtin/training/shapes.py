@@ -15,7 +15,9 @@ prepares on Neuron, the Trainer's included) with :mod:`.collate`.
 The buckets come from the ``train_buckets`` setting (:mod:`accelerate_neuron.settings`:
 the environment, then a config file, then the ``neuron_training_shape_policy``
 hook, then the built-in powers of two from 64 up to the model's maximum
-length); the hook also answers the rest of the policy.
+length), capped at that length; the hook also answers the rest of the policy.
+The bucket type, the pad values and the model's limit are the shape layer's
+(:mod:`..shapes`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import logs, settings
+from ..shapes import Buckets, hook_answer, known_key, max_positions, pad_columns, pow2
 
 logger = logging.getLogger(__name__)
 
@@ -34,43 +37,24 @@ MIN_BUCKET = 64
 FALLBACK_MAX_LENGTH = 8192
 _POLICY_KEYS = ("buckets", "pad_to_multiple_of", "drop_last", "pad_values")
 
-#: Pad value of each sequence-shaped batch key; ``"pad"`` means the tokenizer's pad token id. A ``decoder_`` key
-#: pads as its unprefixed name does (``decoder_input_ids`` with the pad token, ``decoder_attention_mask`` 0, ...).
-PAD_VALUES: dict[str, Any] = {
-    "input_ids": "pad",
-    "attention_mask": 0,
-    "labels": -100,
-    "token_type_ids": "pad_type",
-    "special_tokens_mask": 1,
-    "position_ids": 0,
-    # TRL: which tokens count in a completion-only / assistant-only loss (0: not counted).
-    "completion_mask": 0,
-    "assistant_masks": 0,
-}
 #: Keys of a padding-free batch (sequences flattened into one row, boundaries in ``position_ids``): its length is the
 #: batch's token count and these describe the boundaries, so it is left as it is (TRL's ``pad_to_multiple_of``).
 FLATTENED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")
-
-
-def known_key(key: str) -> str | None:
-    """The :data:`PAD_VALUES` entry that pads ``key`` (``decoder_x`` pads as ``x``), or None."""
-    if key in PAD_VALUES:
-        return key
-    if key.startswith("decoder_") and key[len("decoder_") :] in PAD_VALUES:
-        return key[len("decoder_") :]
-    return None
 
 
 @dataclass(frozen=True)
 class ShapePolicy:
     """How training batches are padded on Neuron (see ``neuron_training_shape_policy``)."""
 
-    buckets: tuple[int, ...]
+    buckets: Buckets
     pad_to_multiple_of: int | None = None
     drop_last: bool = True
     pad_values: Mapping[str, int | float] = field(default_factory=dict)
     source: str = "built-in default"
     explicit: bool = False  # the buckets are the user's own choice (environment or config file)
+
+    def __post_init__(self) -> None:  # plain lists are accepted (a plugin's, a test's): checked as buckets
+        object.__setattr__(self, "buckets", Buckets(self.buckets, "train_buckets"))
 
     @property
     def active(self) -> bool:
@@ -78,7 +62,7 @@ class ShapePolicy:
 
     def target_length(self, length: int, multiple: int | None = None) -> int:
         """The padded length of a batch whose longest sample has ``length`` tokens."""
-        target = next((b for b in self.buckets if b >= length), None)
+        target = self.buckets.at_least(length)
         if target is None:
             step = self.pad_to_multiple_of
             target = -(-length // step) * step if step else length
@@ -95,21 +79,14 @@ class ShapePolicy:
         return bool(step) and beyond and length % step == 0
 
 
-def pow2_buckets(max_length: int | None) -> list[int]:
+def pow2_buckets(max_length: int | None) -> Buckets:
     """Powers of two from 64 up to ``max_length``, and ``max_length`` itself."""
-    limit = max_length if max_length and max_length > 0 else FALLBACK_MAX_LENGTH
-    buckets = []
-    size = MIN_BUCKET
-    while size < limit:
-        buckets.append(size)
-        size *= 2
-    buckets.append(limit)
-    return buckets
+    return pow2(MIN_BUCKET, max_length if max_length and max_length > 0 else FALLBACK_MAX_LENGTH, "train_buckets")
 
 
 def default_policy(max_length: int | None) -> dict[str, Any]:
     """Powers of two from 64 up to ``max_length`` (and ``max_length`` itself), drop_last on."""
-    return {"buckets": pow2_buckets(max_length), "pad_to_multiple_of": None, "drop_last": True, "pad_values": {}}
+    return {"buckets": list(pow2_buckets(max_length)), "pad_to_multiple_of": None, "drop_last": True, "pad_values": {}}
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -121,7 +98,7 @@ def _positive_int(value: Any, what: str) -> int:
 def _validate(answer: Mapping[str, Any], source: str) -> dict[str, Any]:
     unknown = sorted(set(answer) - set(_POLICY_KEYS))
     if unknown:
-        raise ValueError(f"{source} returned unknown key(s) {unknown}; allowed: {list(_POLICY_KEYS)}")
+        raise ValueError(f"{source} has unknown key(s) {unknown}; allowed: {list(_POLICY_KEYS)}")
     out: dict[str, Any] = {}
     if "buckets" in answer:
         buckets = answer["buckets"]
@@ -153,39 +130,29 @@ def _validate(answer: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 def resolve_policy(max_length: int | None) -> ShapePolicy:
-    """The shape policy for a model of ``max_length`` tokens (buckets: the ``train_buckets`` setting)."""
-    from ...plugins import call_hook
-
+    """The shape policy for a model of ``max_length`` tokens (buckets: the ``train_buckets`` setting, capped at
+    ``max_length``)."""
     merged = _validate(default_policy(max_length), "the built-in policy")
     source = "built-in default"
-    answer = call_hook("neuron_training_shape_policy", max_length=max_length)
-    if answer is not None:
-        if not isinstance(answer, Mapping):
-            raise ValueError(f"neuron_training_shape_policy returned {answer!r}; expected a dict or None")
+    answer = hook_answer("neuron_training_shape_policy", _POLICY_KEYS, max_length=max_length)
+    if answer:
         if answer != default_policy(max_length):
             source = "neuron_training_shape_policy hook"
         merged.update(_validate(answer, "neuron_training_shape_policy"))
     chosen = settings.explicit("train_buckets")
     if chosen is not None:
         spec = chosen.value
-        merged["buckets"] = tuple(pow2_buckets(max_length)) if spec == settings.POW2 else spec
+        merged["buckets"] = pow2_buckets(max_length) if spec == settings.POW2 else spec
         source = chosen.describe()
         if not merged["buckets"]:
             merged["pad_to_multiple_of"] = None
+    merged["buckets"] = Buckets(merged["buckets"], "train_buckets").capped(max_length, "maximum length")
     return ShapePolicy(source=source, explicit=chosen is not None, **merged)
-
-
-_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 def model_max_length(model: Any) -> int | None:
     """The longest sequence the model's position embeddings allow (None if unbounded/unknown)."""
-    config = getattr(model, "config", None)
-    for name in _POSITION_LIMITS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return max_positions(model) if model is not None else None
 
 
 def tokenizer_max_length(tokenizer: Any) -> int | None:
@@ -207,7 +174,6 @@ def pad_batch(batch: Any, policy: ShapePolicy, pad_values: Mapping[str, Any], mu
     padding-free batch, is returned as it is, so every key keeps the length the others have.
     """
     import torch
-    import torch.nn.functional as F
 
     if not isinstance(batch, Mapping) or any(k in batch for k in FLATTENED_KEYS):
         return batch
@@ -236,10 +202,7 @@ def pad_batch(batch: Any, policy: ShapePolicy, pad_values: Mapping[str, Any], mu
             )
         return batch
     for key, target in targets.items():
-        value = batch[key]
-        # F.pad lists (left, right) pairs from the last dimension backwards; only dim 1 grows.
-        spec = [0, 0] * (value.dim() - 2) + [0, target - value.shape[1]]
-        batch[key] = F.pad(value, spec, value=pad_values[key])
+        batch[key] = pad_columns(batch[key], target, pad_values[key], dim=1)
     return batch
 
 

@@ -5,8 +5,7 @@ recompiling looks hung. The watchdog needs nothing from the backend, so it
 works on real hardware and on the simulator alike:
 
 - compiles are counted with Dynamo's compile-start callbacks
-  (``torch._dynamo.callback.callback_handler``, trigger ``DYNAMO``), falling
-  back to Dynamo's ``unique_graphs`` counter where a torch lacks them;
+  (:mod:`..compile_counter`, shared with continuous batching's warning);
 - the inputs of each call are read by a forward pre-hook on the outermost
   (compiled) module, outside the compiled region.
 
@@ -25,13 +24,13 @@ are read only after a call that compiled (the read synchronizes the device on Tr
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ... import settings
+from ..compile_counter import compile_count, ensure_compile_counter
 
 logger = logging.getLogger(__name__)
 
@@ -39,49 +38,6 @@ WARMUP_ENV = settings.env_name("recompile_warmup")
 DEFAULT_WARMUP = settings.setting("recompile_warmup").default
 
 Signature = tuple[tuple[str, tuple[int, ...]], ...]
-
-_lock = threading.Lock()
-_dynamo_compiles = 0
-
-
-def _on_compile_start(args: Any) -> None:
-    global _dynamo_compiles
-    trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
-    if trigger == "DYNAMO":  # backward graphs follow the forward they belong to
-        with _lock:
-            _dynamo_compiles += 1
-
-
-def _callback_handler() -> Any:
-    try:
-        from torch._dynamo.callback import callback_handler
-    except Exception:
-        return None
-    return callback_handler if hasattr(callback_handler, "register_start_callback") else None
-
-
-def ensure_compile_counter() -> bool:
-    """(Re)register the compile-start callback; ``torch._dynamo.reset()`` drops callbacks."""
-    handler = _callback_handler()
-    if handler is None:
-        return False
-    callbacks = getattr(handler, "start_callbacks", None)
-    if callbacks is None or _on_compile_start not in callbacks:
-        handler.register_start_callback(_on_compile_start)
-    return True
-
-
-def compile_count() -> int:
-    """Dynamo frame compiles started in this process (as far as the watchdog has seen)."""
-    if _callback_handler() is not None:
-        return _dynamo_compiles
-    try:
-        from torch._dynamo.utils import counters
-
-        return int(counters["stats"]["unique_graphs"])
-    except Exception:
-        return 0
-
 
 def warmup_from_env() -> int:
     """The ``recompile_warmup`` setting: forward calls before a new graph counts as a recompile."""

@@ -18,7 +18,8 @@ what the script does, so the real run finds them all in the NEFF cache:
   distinct length bucket (forward and backward), then the weights restored;
   ``evaluate()`` / ``predict()`` likewise; nothing written to the output folder.
 
-Which worker warms which shape is :mod:`.session`'s business. The patches are
+Which worker warms which shape is :mod:`..precompile_session`'s business (a shared
+module: continuous batching's own warm-up claims its shapes through it too). The patches are
 offered only in a process that ``ACCELERATE_NEURON_PRECOMPILE`` marks as a
 warm-up worker; :func:`apply_patches` applies them on demand for the Python API.
 Everywhere else this plugin changes nothing.
@@ -28,8 +29,9 @@ from __future__ import annotations
 
 from ...hookspecs import hookimpl
 from ...patching import Patch, apply
-from ..serving.plan import without_step_padding
-from . import batching, forward, generation, session, training
+from .. import precompile_session as session
+from ..upstream_features import without_step_padding
+from . import batching, forward, generation, training
 
 GEN = "transformers.generation.utils"
 _MIXIN = "GenerationMixin"

@@ -8,7 +8,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from . import apply_patches, session, training
+from .. import precompile_session as session
+from . import apply_patches, training
 
 
 def _ints(value: int | Sequence[int], name: str) -> list[int]:

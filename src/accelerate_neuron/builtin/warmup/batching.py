@@ -18,9 +18,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..generation.devices import model_device
-from . import session
-from .generation import _pad_id
+from .. import precompile_session as session
+from ..model_devices import model_device
+from .generation import filler_id
 
 
 def wrap_generate_batch(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -47,7 +47,7 @@ def wrap_generate_batch(original: Callable[..., Any]) -> Callable[..., Any]:
             warmup=True,
         ):
             pass
-        pad = _pad_id(config)
+        pad = filler_id(config)
         return {
             f"req_{i}": GenerationOutput(
                 request_id=f"req_{i}",

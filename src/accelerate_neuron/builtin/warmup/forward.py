@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ..inference.outputs import PER_ROW, PER_TOKEN_2D
-from . import session
-from .generation import model_tag
+from .. import precompile_session as session
+from ..model_tag import model_tag
+from ..shapes import Unplaced, sequence_dims
 
 #: Graphs one inference shape compiles at most (Dynamo may break a forward in pieces; priced as one).
 GRAPHS_PER_SHAPE = 1
@@ -75,7 +75,7 @@ def wrap_run(original: Callable[..., Any]) -> Callable[..., Any]:
         if not mine and key in templates:
             try:
                 return stand_in(*templates[key], self.rows, self.length)
-            except TypeError:
+            except (TypeError, Unplaced):
                 pass  # an output structure zeros cannot stand for: computed for real below
         started = time.perf_counter()
         with session.labelled("forward", shape):
@@ -94,16 +94,8 @@ def stand_in(template: Any, rows: int, length: int, new_rows: int, new_length: i
         shape = list(template.shape)
         if shape and shape[0] == rows:
             shape[0] = new_rows
-        sequence_dims: tuple[int, ...] = ()
-        if len(shape) == 4 and name.endswith("attentions"):
-            sequence_dims = (2, 3)
-        elif len(shape) >= 3 and name not in ("sentence_embedding", "pooler_output"):
-            sequence_dims = (1,)
-        elif len(shape) == 2 and name in PER_TOKEN_2D:
-            sequence_dims = (1,)
-        elif len(shape) == 2 and name not in PER_ROW and shape[1] == length:
-            raise TypeError(f"cannot tell whether {name!r} is per row or per token")
-        for dim in sequence_dims:
+        # Which dimensions are the sequence: the rules that cut a real call's outputs back (raises Unplaced).
+        for dim in sequence_dims(name, template.shape, length) if len(shape) >= 2 else ():
             if shape[dim] == length:
                 shape[dim] = new_length
         # Made on the host and copied over: a device-side fill would be one eager op per shape.

@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import hashlib
 import inspect
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..generation import call as generate_call
-from ..generation.devices import model_device
-from . import session
+from .. import precompile_session as session
+from .. import scope, shapes
+from ..model_devices import model_device
+from ..model_tag import model_tag
 
 #: Graphs one generate shape compiles at most: its prefill and its decode step.
 GRAPHS_PER_SHAPE = 2
@@ -48,20 +47,6 @@ class WarmCall:
 
 
 _call: contextvars.ContextVar[WarmCall | None] = contextvars.ContextVar("accelerate_neuron_warm_call", default=None)
-_tags: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-
-
-def model_tag(model: Any) -> str:
-    """Same class and config: same graphs (weights are graph inputs). Stable across worker processes."""
-    tag = _tags.get(model)
-    if tag is None:
-        try:
-            text = model.config.to_json_string(use_diff=False)
-        except Exception:
-            text = repr(getattr(model, "config", None))
-        tag = f"{type(model).__qualname__}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-        _tags[model] = tag
-    return tag
 
 
 def _input_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -115,11 +100,11 @@ def call_shape(model: Any, loop: str, arguments: dict[str, Any]) -> dict[str, An
     ids = arguments["input_ids"]
     config = arguments["generation_config"]
     model_kwargs = arguments.get("model_kwargs") or {}
-    call = generate_call.current(model)
+    owner = scope.owner()  # the generate() call running this loop: its pad columns and dummy rows
     columns, rows = int(ids.shape[1]), int(ids.shape[0])
-    if call is not None:
-        columns += call.pad
-        rows += call.dummy
+    if getattr(owner, "model", None) is model:
+        columns += getattr(owner, "pad", 0)
+        rows += getattr(owner, "dummy", 0)
     processors = arguments.get("logits_processor")
     greedy = not getattr(config, "do_sample", False) and not any(
         getattr(config, k, False) for k in ("output_scores", "output_logits")
@@ -160,16 +145,10 @@ def _one_decode_step(criteria: Any) -> Any:
     return StoppingCriteriaList([*kept, OneDecodeStep()])
 
 
-def _pad_id(config: Any) -> int:
-    for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
-        value = getattr(config, name, None)
-        if isinstance(value, torch.Tensor):
-            value = value.flatten()[0].item() if value.numel() else None
-        if isinstance(value, list | tuple):
-            value = value[0] if value else None
-        if isinstance(value, int) and value >= 0:
-            return value
-    return 0
+def filler_id(config: Any) -> int:
+    """The token a stand-in result's generated tail is filled with: upstream's own choice (the pad token, else the
+    end of sequence, else the decoder's start), through the shape layer's one pad-id choice."""
+    return shapes.pad_id(config, names=("pad_token_id", "eos_token_id", "decoder_start_token_id"))
 
 
 def wrap_decode_loop(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -188,7 +167,7 @@ def wrap_decode_loop(original: Callable[..., Any]) -> Callable[..., Any]:
         call.max_length = getattr(config, "max_length", None)
         call.return_sequences = int(getattr(config, "num_return_sequences", 1) or 1)
         call.as_dict = bool(getattr(config, "return_dict_in_generate", False))
-        call.pad_id = _pad_id(config)
+        call.pad_id = filler_id(config)
         shape = call_shape(self, loop, arguments)
         if not warm.claim("generate", shape, GRAPHS_PER_SHAPE):
             raise session.Skip

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from . import session
-from .generation import model_tag
+from .. import precompile_session as session
+from ..model_tag import model_tag
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,9 @@
 """Which layers are a model's regions, and their compiled forwards, installed for the duration of one call.
 
+Shared by the plugins whose calls compile per layer (``generate()``, bucketed
+inference calls); the ``regions`` plugin answers whether and how regions compile
+(``neuron_compile_config(purpose="region")``: no answer turns them off).
+
 A region is one decoder layer: the block Transformers never splits across
 devices (``_no_split_modules``), so it always sits on one core with all its
 weights. Per layer rather than per core's run of layers because every layer has
@@ -26,11 +30,12 @@ from typing import Any
 
 import torch
 
-from ... import device as neuron_device
-from ... import logs, settings
-from ...plugins import call_hook
-from .. import overrides
-from ..compile_options import compile_options
+from .. import device as neuron_device
+from .. import logs, settings
+from ..plugins import call_hook
+from . import overrides
+from .compile_options import compile_options
+from .shapes import make_room_for_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +149,6 @@ def compiled_layers(model: Any) -> Iterator[list[torch.nn.Module]]:
     if not layers:
         yield []
         return
-    from ..generation.cache import make_room_for_buckets
-
     make_room_for_buckets("every decoder layer and shape is a graph of the layer's function", len(layers))
     installed = []
     with _lock:

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ... import logs, precompile_token, settings
-from ...compile_cache import outcomes
+from .. import logs, precompile_token, settings
+from ..compile_cache import outcomes
 
 logger = logging.getLogger(__name__)
 
