@@ -20,7 +20,7 @@ CORPUS = (
     "hello world , this is a tiny model that talks about accelerators . "
 )
 
-FAMILIES = ("qwen3", "llama", "gpt2", "t5", "qwen3_moe", "mixtral")
+FAMILIES = ("qwen3", "llama", "gpt2", "t5", "bart", "qwen3_moe", "mixtral")
 #: Mixture-of-experts families among :data:`FAMILIES` (4 experts, top-2).
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 #: Encoder families :func:`encoder` builds (bidirectional models with heads for classification, tokens, masks, QA).
@@ -237,6 +237,26 @@ def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> An
                 "eos_token_id": 2,
             },
         )
+    elif family == "bart":
+        cls, kwargs = (
+            transformers.BartConfig,
+            {
+                "d_model": 64,
+                "encoder_layers": 2,
+                "decoder_layers": 2,
+                "encoder_attention_heads": 4,
+                "decoder_attention_heads": 4,
+                "encoder_ffn_dim": 128,
+                "decoder_ffn_dim": 128,
+                "max_position_embeddings": 256,
+                "dropout": 0.0,
+                "scale_embedding": True,
+                "init_std": 1.0,  # BART's default spread gives one repeated token at this size
+                "decoder_start_token_id": 2,
+                "forced_eos_token_id": None,
+                **common,
+            },
+        )
     else:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {', '.join(FAMILIES)}")
     # Overrides go through the constructor so derived fields (e.g. Qwen3's
@@ -253,6 +273,8 @@ def model(family: str = "qwen3", seed: int = 0, **overrides: Any) -> Any:
     torch.manual_seed(seed)
     if family == "t5":
         m = transformers.T5ForConditionalGeneration(cfg)
+    elif family == "bart":
+        m = transformers.BartForConditionalGeneration(cfg)
     else:
         m = transformers.AutoModelForCausalLM.from_config(cfg)
     return m.eval()

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import overrides, shapes
-from . import cache, devices, padding
+from . import cache, devices, encoder_decoder, padding
 from .call import GenerateCall, current
 from .concurrency import one_call_at_a_time
 
@@ -138,7 +138,7 @@ def wrap_static_cache_length(original: Callable[..., Any]) -> Callable[..., Any]
         if isinstance(requested, int):
             bound.arguments["max_cache_len"] = cache.cache_length(self, requested)
         built = original(*bound.args, **bound.kwargs)
-        if call is not None and call.chunked:
+        if call is not None and (call.chunked or call.has_encoder):
             cache.initialize_before_compiled_prefill(self, built, bound.arguments.get("batch_size"))
         return built
 
@@ -210,8 +210,8 @@ def _bound_call_of(model: Any, fn: Any) -> bool:
 
 
 def wrap_encoder_kwargs(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Run the encoder on the model's device, its input length bucketed, while the decoder's bookkeeping stays
-    on the host."""
+    """Run the encoder on the model's device, its input length bucketed and its call compiled, while the decoder's
+    bookkeeping stays on the host."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -234,7 +234,10 @@ def wrap_encoder_kwargs(original: Callable[..., Any]) -> Callable[..., Any]:
         for_encoder = {
             k: v if k.startswith(_NOT_FOR_ENCODER) else devices.move(v, dev) for k, v in model_kwargs.items()
         }
-        result = original(self, devices.move(inputs_tensor, dev), for_encoder, *args, **kwargs)
+        call = current(self)
+        compiled = call is not None and not call.regional and call.compiles(generation_config)
+        with encoder_decoder.encoder_compiled(self, generation_config) if compiled else contextlib.nullcontext():
+            result = original(self, devices.move(inputs_tensor, dev), for_encoder, *args, **kwargs)
         # Keep the caller's (host) values for what the encoder only read; add what it produced.
         for key, value in result.items():
             if key in model_kwargs and value is for_encoder.get(key):
