@@ -43,7 +43,8 @@ def inputs(family: str, tok, words: int) -> dict[str, torch.Tensor]:
     if family == "whisper":
         extractor = tiny.feature_extractor("whisper")
         audio = tiny.audio(1, seed=words)
-        return {"input_features": extractor(audio, sampling_rate=tiny.SAMPLING_RATE, return_tensors="pt").input_features}
+        features = extractor(audio, sampling_rate=tiny.SAMPLING_RATE, return_tensors="pt").input_features
+        return {"input_features": features}
     return dict(tok([" ".join(WORDS[:words])], return_tensors="pt"))
 
 
