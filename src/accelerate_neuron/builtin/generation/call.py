@@ -84,6 +84,7 @@ class GenerateCall:
     regional: bool = False  # "compiled" means decoder layers compiled one by one (regions), not the whole model
     has_encoder: bool = False  # an encoder-decoder model (its first decoder step also runs compiled)
     compiled_forward: Callable[..., Any] | None = None  # what upstream's loop calls for a compiled forward
+    first_step_routable: bool = False  # the first step is upstream's uncompiled ``self(...)`` (greedy, sampling)
     _unroute: Callable[[], None] | None = None  # undoes a first step routed to the compiled call, if it never ran
 
     @property
@@ -121,6 +122,9 @@ class GenerateCall:
 
     def plan(self, generation_config: Any, model_kwargs: dict[str, Any], mode: str) -> None:
         """Decide ``pad``, whether rows may be added and the compiled prefill, before the cache is built."""
+        # Only greedy and sampling (upstream's _sample) run their first step as an uncompiled ``self(...)`` and
+        # the later ones through the compiled call; a caller's chunked prefill runs the compiled call itself.
+        self.first_step_routable = mode in _ROW_MODES and getattr(generation_config, "prefill_chunk_size", None) is None
         if not self.prompt:
             return
         reason = self._unbucketed_reason(generation_config, model_kwargs, mode)
@@ -234,7 +238,7 @@ class GenerateCall:
         """``prepare_inputs_for_generation``'s arguments, in the padded layout when this call is bucketed."""
         first = self.forwards == 0
         self.forwards += 1
-        if first and self.has_encoder and self.compiled_forward is not None and not self.regional:
+        if first and self.has_encoder and self.first_step_routable and self.compiled_forward and not self.regional:
             # Upstream runs the first step uncompiled; an encoder-decoder's differs from the later ones only by
             # filling the cross-attention cache: one graph more instead of every op of a step run eagerly.
             self._unroute = encoder_decoder.route_next_call(self.model, self.compiled_forward)

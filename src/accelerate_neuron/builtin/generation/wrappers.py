@@ -138,7 +138,11 @@ def wrap_static_cache_length(original: Callable[..., Any]) -> Callable[..., Any]
         if isinstance(requested, int):
             bound.arguments["max_cache_len"] = cache.cache_length(self, requested)
         built = original(*bound.args, **bound.kwargs)
-        if call is not None and (call.chunked or call.has_encoder):
+        # An encoder-decoder's first step is compiled too (:mod:`.encoder_decoder`); its cache needs allocating first
+        # only where upstream keeps one cache between calls (4.x ``model._cache``): a fresh one per call is
+        # initialised in the same graph every call.
+        kept = call is not None and call.has_encoder and getattr(self, "_cache", None) is built
+        if call is not None and (call.chunked or kept):
             cache.initialize_before_compiled_prefill(self, built, bound.arguments.get("batch_size"))
         return built
 
