@@ -7,7 +7,14 @@ clipped to 4-250; each pass draws new texts from its own seed):
 - ``embed``: sentence-transformers ``SentenceTransformer(...).encode(texts, batch_size=32)`` (a BERT-style
   encoder, mean pooling, normalisation);
 - ``classify``: ``pipeline("text-classification")`` called one text at a time (a chat or moderation service);
-- ``rerank``: ``CrossEncoder(...).rank(query, documents)`` with 32 documents per query.
+- ``rerank``: ``CrossEncoder(...).rank(query, documents)`` with 32 documents per query;
+- ``image``: ``pipeline("image-classification", batch_size=8)`` over a pass of images (a ViT, 32x32 images from
+  an offline image processor), the pass's size drawn so that its last batch varies;
+- ``speech``: a wav2vec2 CTC forward on requests of 1-8 clips of 0.3-0.9 s, each padded by its feature extractor
+  to a one-second window (a transcription service batching what arrives).
+
+Images and audio windows have a fixed size per row: only their batch is bucketed, so their padding is counted in
+rows (rows computed per real row), where the text jobs count positions.
 
 Each job runs ``--passes`` passes of ``--texts`` texts on a fresh model, Dynamo reset and a cold (memory-only) NEFF
 cache, twice: patched (accelerate-neuron as installed) and stock (every patch reverted in this process). Per pass:
@@ -76,9 +83,11 @@ class Positions:
             def pad(call: Any) -> Any:
                 padded = original_pad(call)
                 counter.real += (
-                    int(call.inputs["attention_mask"].to("cpu").sum()) if "attention_mask" in call.inputs else 0
+                    int(call.inputs["attention_mask"].to("cpu").sum())
+                    if call.tokens and "attention_mask" in call.inputs
+                    else call.rows * max(call.length, 1)
                 )
-                counter.computed += call.padded_rows * call.padded_length
+                counter.computed += call.padded_rows * max(call.padded_length, 1)
                 return padded
 
             inference_call.ForwardCall.pad = pad
@@ -93,7 +102,11 @@ class Positions:
             def call(module: Any, *args: Any, **kwargs: Any) -> Any:
                 features = args[0] if args and isinstance(args[0], Mapping) else kwargs
                 mask = features.get("attention_mask")
-                if not inside and isinstance(mask, torch.Tensor) and mask.dim() == 2:  # a root call, its own shape
+                media = next((features[k] for k in ("pixel_values", "input_values") if k in features), None)
+                if not inside and isinstance(media, torch.Tensor):  # images, audio: rows, as the caller gave them
+                    counter.real += int(media.shape[0])
+                    counter.computed += int(media.shape[0])
+                elif not inside and isinstance(mask, torch.Tensor) and mask.dim() == 2:  # a root call, its own shape
                     counter.real += int(mask.to("cpu").sum())  # on the host: no eager op of ours counted
                     counter.computed += mask.numel()
                 inside.append(module)
@@ -121,12 +134,17 @@ class Positions:
         return self.computed / self.real if self.real else float("nan")
 
 
-#: A job: how to build its model on a device, and what one pass does with it (the results to compare).
-Job = tuple[Callable[[str], Any], Callable[[Any, list[str]], Any]]
+#: A job: how to build its model on a device, what one pass does with it (the results to compare), and, for the
+#: image and speech jobs, the inputs of pass ``i`` (the text jobs take the shared texts).
+Job = tuple[Callable[[str], Any], Callable[[Any, list[Any]], Any]] | tuple[
+    Callable[[str], Any], Callable[[Any, list[Any]], Any], Callable[[int], list[Any]]
+]
 
 
 def run_job(name: str, job: Job, passes: list[list[str]], patched: bool) -> dict[str, Any]:
-    build, work = job
+    build, work = job[:2]
+    if len(job) == 3:
+        passes = [job[2](i) for i in range(len(passes))]
     torch._dynamo.reset()
     neff_cache.use(None)  # cold, memory-only: counts that do not depend on earlier runs
     reference = build("cpu")
@@ -166,7 +184,7 @@ def run_job(name: str, job: Job, passes: list[list[str]], patched: bool) -> dict
     }
 
 
-def jobs(folder: str, reranker: str) -> dict[str, Job]:
+def jobs(folder: str, reranker: str, vit: str, seed: int) -> dict[str, Job]:
     from sentence_transformers import CrossEncoder, SentenceTransformer
     from sentence_transformers.sentence_transformer import modules
 
@@ -196,10 +214,43 @@ def jobs(folder: str, reranker: str) -> dict[str, Job]:
             scores += [r["score"] for r in ranked]
         return scores
 
+    def image_classifier(device: str) -> Any:
+        return transformers.pipeline("image-classification", model=vit, device=device)
+
+    def classify_images(pipe: Any, images: list[Any]) -> Any:
+        return [p[0]["score"] for p in pipe(images, batch_size=8)]
+
+    def images(i: int) -> list[Any]:
+        return tiny.images(random.Random(seed + i).randint(17, 40), seed=seed + i)
+
+    extractor = tiny.feature_extractor("wav2vec2")
+
+    def ctc(device: str) -> Any:
+        return tiny.speech_model("wav2vec2").to(device)
+
+    def transcribe(model: Any, requests: list[Any]) -> Any:
+        scores = []
+        for clips in requests:
+            batch = extractor(
+                clips, sampling_rate=tiny.SAMPLING_RATE, padding="max_length", max_length=tiny.SAMPLING_RATE,
+                return_tensors="pt",
+            )  # fmt: skip
+            device = next(model.parameters()).device
+            with torch.no_grad():
+                logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
+            scores += logits.to("cpu").amax(-1).flatten().tolist()
+        return scores
+
+    def requests(i: int) -> list[Any]:
+        rng = random.Random(seed + i)
+        return [tiny.audio(rng.randint(1, 8), seed=seed + 100 * i + n) for n in range(12)]
+
     return {
         "embed": (embedder, embed),
         "classify": (classifier, classify),
         "rerank": (lambda device: CrossEncoder(reranker, device=device), rerank),
+        "image": (image_classifier, classify_images, images),
+        "speech": (ctc, transcribe, requests),
     }
 
 
@@ -215,10 +266,12 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "",
         f"`python benchmarks/inference.py --texts {args.texts} --passes {args.passes} --median {args.median} "
         f"--seed {args.seed}`: {args.passes} passes of {args.texts} new texts each, token lengths lognormal "
-        f"(median {args.median}, sigma 0.9, 4-250); a 2-layer BERT-style encoder (hidden 64, 256 positions).",
+        f"(median {args.median}, sigma 0.9, 4-250); a 2-layer BERT-style encoder (hidden 64, 256 positions). "
+        "image: 17-40 images per pass, a 2-layer ViT; speech: 12 requests of 1-8 clips per pass, a 2-layer wav2vec2 "
+        "CTC; their padding is rows computed per real row.",
         "",
         "| job | scenario | graphs | eager signatures | est. compile on Trainium | last pass alone | positions per "
-        "real token | max diff vs CPU | CPU wall |",
+        "real token (rows per row) | max diff vs CPU | CPU wall |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -236,7 +289,7 @@ def main() -> int:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--median", type=int, default=24)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--only", choices=("embed", "classify", "rerank"))
+    parser.add_argument("--only", choices=("embed", "classify", "rerank", "image", "speech"))
     parser.add_argument("--output", help="append the markdown section to this file")
     args = parser.parse_args()
     workdir = tempfile.mkdtemp(prefix="accelerate-neuron-bench-")
@@ -244,10 +297,11 @@ def main() -> int:
     reranker = str(
         tiny.save_encoder(os.path.join(workdir, "reranker"), "bert", "AutoModelForSequenceClassification", num_labels=1)
     )
+    vit = str(tiny.save_vision(os.path.join(workdir, "vit"), "vit"))
     tokenizer = tiny.encoder_tokenizer()
     passes = [texts(args.texts, args.median, args.seed + i, tokenizer) for i in range(args.passes)]
     results = []
-    for name, job in jobs(folder, reranker).items():
+    for name, job in jobs(folder, reranker, vit, args.seed).items():
         if args.only and name != args.only:
             continue
         for patched in (True, False):

@@ -37,6 +37,30 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4,
         "max_position_embeddings": 256,
     },
+    # hybrid: three Gated DeltaNet (linear attention, causal depthwise conv1d) layers, then full attention; MoE MLPs
+    "qwen3_next": {
+        **_DECODER,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+    # chunked attention (chunks of 4: the 8-token prompt and its 6 new tokens span several), MoE MLPs
+    "llama4_text": {
+        **_DECODER,
+        "intermediate_size_mlp": 128,
+        "head_dim": 16,
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+        "attention_chunk_size": 4,
+    },
     "bart": {
         "d_model": 64,
         "encoder_layers": 2,
@@ -95,4 +119,17 @@ def test_generate_on_neuron_gives_the_cpus_tokens(tmp_path: Path, family: str) -
     tokens, devices = _greedy(folder, family, device_map="auto")
     assert devices == {"neuron"}, f"{family}: weights on {devices}"
     assert tokens == expected, family
+    torch._dynamo.reset()
+
+
+def test_llama4_text_decodes_compiled(tmp_path: Path, sim: Any) -> None:
+    """Upstream's get_compiled_call declines Llama 4 (every release); on Neuron its decode step compiles anyway."""
+    folder = _save(tmp_path, "llama4_text")
+    expected, _ = _greedy(folder, "llama4_text")
+    sim.reset_stats()
+    tokens, _ = _greedy(folder, "llama4_text", device_map="auto")
+    assert tokens == expected
+    st = sim.stats()
+    assert 1 <= st["compiles"] <= 3  # prefill and decode graphs, not op by op
+    assert st["eager_signatures"] <= 10  # was 127 with upstream's uncompiled call
     torch._dynamo.reset()

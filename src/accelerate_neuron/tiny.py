@@ -20,7 +20,7 @@ CORPUS = (
     "hello world , this is a tiny model that talks about accelerators . "
 )
 
-FAMILIES = ("qwen3", "llama", "gpt2", "t5", "qwen3_moe", "mixtral")
+FAMILIES = ("qwen3", "llama", "gpt2", "t5", "bart", "qwen3_moe", "mixtral")
 #: Mixture-of-experts families among :data:`FAMILIES` (4 experts, top-2).
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 #: Encoder families :func:`encoder` builds (bidirectional models with heads for classification, tokens, masks, QA).
@@ -237,6 +237,26 @@ def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> An
                 "eos_token_id": 2,
             },
         )
+    elif family == "bart":
+        cls, kwargs = (
+            transformers.BartConfig,
+            {
+                "d_model": 64,
+                "encoder_layers": 2,
+                "decoder_layers": 2,
+                "encoder_attention_heads": 4,
+                "decoder_attention_heads": 4,
+                "encoder_ffn_dim": 128,
+                "decoder_ffn_dim": 128,
+                "max_position_embeddings": 256,
+                "dropout": 0.0,
+                "scale_embedding": True,
+                "init_std": 1.0,  # BART's default spread gives one repeated token at this size
+                "decoder_start_token_id": 2,
+                "forced_eos_token_id": None,
+                **common,
+            },
+        )
     else:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {', '.join(FAMILIES)}")
     # Overrides go through the constructor so derived fields (e.g. Qwen3's
@@ -253,6 +273,8 @@ def model(family: str = "qwen3", seed: int = 0, **overrides: Any) -> Any:
     torch.manual_seed(seed)
     if family == "t5":
         m = transformers.T5ForConditionalGeneration(cfg)
+    elif family == "bart":
+        m = transformers.BartForConditionalGeneration(cfg)
     else:
         m = transformers.AutoModelForCausalLM.from_config(cfg)
     return m.eval()
@@ -343,4 +365,209 @@ def save_encoder(path: str | os.PathLike[str], family: str = "bert", head: str =
     folder.mkdir(parents=True, exist_ok=True)
     encoder(family, head, **overrides).save_pretrained(folder)
     encoder_tokenizer().save_pretrained(folder)
+    return folder
+
+
+# ------------------------------------------------------------------ images and audio
+
+#: Vision families :func:`vision_model` builds (32x32 images, 8x8 patches).
+VISION = ("vit", "clip", "siglip")
+#: Speech families :func:`speech_model` builds (16 kHz audio).
+SPEECH = ("whisper", "wav2vec2")
+IMAGE_SIZE = 32
+SAMPLING_RATE = 16_000
+#: Whisper's window here: 1 s of audio (100 log-mel frames), where real checkpoints take 30 s.
+WHISPER_SECONDS = 1
+#: The special tokens Whisper's decoding looks up by name; ids after ``<|notimestamps|>`` would be timestamps.
+WHISPER_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|startoftranscript|>",
+    "<|en|>",
+    "<|transcribe|>",
+    "<|translate|>",
+    "<|notimestamps|>",
+)
+
+
+def vision_config(family: str = "vit", **overrides: Any) -> Any:
+    """A toy-size vision config of ``family`` (one of :data:`VISION`): 2 layers, hidden size 32."""
+    import transformers
+
+    sizes = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": IMAGE_SIZE,
+        "patch_size": 8,
+    }
+    classes = {
+        "vit": (transformers.ViTConfig, {"num_labels": 3}),
+        "clip": (transformers.CLIPVisionConfig, {"projection_dim": 16}),
+        "siglip": (transformers.SiglipVisionConfig, {}),
+    }
+    if family not in classes:
+        raise ValueError(f"unknown tiny vision family {family!r}; expected one of {', '.join(VISION)}")
+    cls, extra = classes[family]
+    return cls(**{**sizes, **extra, **overrides})
+
+
+def vision_model(family: str = "vit", head: str | None = None, seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised toy vision model: ViT with an image-classification head, CLIP's vision tower with its
+    projection, SigLIP's vision tower (``head``: another Transformers class name of the family)."""
+    import torch
+    import transformers
+
+    default = {
+        "vit": "ViTForImageClassification",
+        "clip": "CLIPVisionModelWithProjection",
+        "siglip": "SiglipVisionModel",
+    }
+    cfg = vision_config(family, **overrides)
+    torch.manual_seed(seed)
+    return getattr(transformers, head or default[family])(cfg).eval()
+
+
+def image_processor(family: str = "vit") -> Any:
+    """The image processor of ``family`` at :data:`IMAGE_SIZE` (PIL-based: no torchvision needed)."""
+    import transformers
+
+    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    if family == "clip":
+        return transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=size)
+    if family == "siglip":
+        return transformers.SiglipImageProcessor(size=size)
+    return transformers.ViTImageProcessor(size=size)
+
+
+def images(count: int, seed: int = 0, size: tuple[int, int] = (48, 40)) -> list[Any]:
+    """``count`` random RGB PIL images of ``size`` (width, height): the processor resizes them."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def save_vision(path: str | os.PathLike[str], family: str = "vit", head: str | None = None, **overrides: Any) -> Path:
+    """Write a tiny vision model and its image processor to ``path`` (for pipelines, ``from_pretrained``)."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    vision_model(family, head, **overrides).save_pretrained(folder)
+    image_processor(family).save_pretrained(folder)
+    return folder
+
+
+def speech_config(family: str = "whisper", **overrides: Any) -> Any:
+    """A toy-size speech config of ``family`` (one of :data:`SPEECH`)."""
+    import transformers
+
+    if family == "whisper":
+        frames = WHISPER_SECONDS * 100  # log-mel frames at a 160-sample hop
+        kwargs = {
+            "vocab_size": 384 + len(WHISPER_SPECIAL_TOKENS),  # :func:`whisper_tokenizer`'s: every id decodes
+            "d_model": 32,
+            "encoder_layers": 2,
+            "decoder_layers": 2,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 64,
+            "decoder_ffn_dim": 64,
+            "num_mel_bins": 16,
+            "max_source_positions": frames // 2,  # the encoder's second conv has stride 2
+            "max_target_positions": 448,  # the ASR pipeline asks for up to 256 new tokens, as real Whisper has room for
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "decoder_start_token_id": 1,
+            "begin_suppress_tokens": None,
+            "suppress_tokens": None,
+        }
+        return transformers.WhisperConfig(**{**kwargs, **overrides})
+    if family == "wav2vec2":
+        kwargs = {
+            "vocab_size": 32,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 64,
+            "conv_dim": (16, 16),
+            "conv_stride": (5, 2),
+            "conv_kernel": (10, 3),
+            "num_conv_pos_embeddings": 16,
+            "num_conv_pos_embedding_groups": 4,
+            "feat_extract_norm": "layer",  # the -lv60 variants': takes an attention mask over the samples
+            "do_stable_layer_norm": True,
+            "pad_token_id": 0,
+        }
+        return transformers.Wav2Vec2Config(**{**kwargs, **overrides})
+    raise ValueError(f"unknown tiny speech family {family!r}; expected one of {', '.join(SPEECH)}")
+
+
+def speech_model(family: str = "whisper", seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised toy speech model: Whisper for generation, wav2vec2 with a CTC head."""
+    import torch
+    import transformers
+
+    cfg = speech_config(family, **overrides)
+    torch.manual_seed(seed)
+    cls = transformers.WhisperForConditionalGeneration if family == "whisper" else transformers.Wav2Vec2ForCTC
+    return cls(cfg).eval()
+
+
+def feature_extractor(family: str = "whisper") -> Any:
+    """The feature extractor of ``family``: Whisper's log-mel (16 bins, :data:`WHISPER_SECONDS` window), or
+    wav2vec2's normalised waveform with an attention mask."""
+    import transformers
+
+    if family == "whisper":
+        return transformers.WhisperFeatureExtractor(
+            feature_size=16, sampling_rate=SAMPLING_RATE, chunk_length=WHISPER_SECONDS
+        )
+    return transformers.Wav2Vec2FeatureExtractor(
+        feature_size=1, sampling_rate=SAMPLING_RATE, do_normalize=True, return_attention_mask=True
+    )
+
+
+def whisper_tokenizer() -> Any:
+    """:func:`tokenizer`'s vocabulary as a Whisper tokenizer (what the speech-recognition pipeline decodes with)."""
+    import tempfile
+
+    import transformers
+
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer().save_pretrained(folder)
+        tok = transformers.WhisperTokenizerFast(
+            tokenizer_file=str(Path(folder) / "tokenizer.json"),
+            bos_token="<|bos|>",
+            eos_token="<|eos|>",
+            pad_token="<|pad|>",
+            unk_token="<|pad|>",
+        )
+    tok.add_special_tokens({"additional_special_tokens": list(WHISPER_SPECIAL_TOKENS)})
+    return tok
+
+
+def audio(count: int, seed: int = 0, seconds: tuple[float, float] = (0.3, 0.9)) -> list[Any]:
+    """``count`` float32 waveforms at :data:`SAMPLING_RATE` of random lengths in ``seconds``: tones plus noise."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        n = int(rng.uniform(*seconds) * SAMPLING_RATE)
+        t = np.arange(n) / SAMPLING_RATE
+        wave = 0.5 * np.sin(2 * np.pi * rng.uniform(100, 1000) * t) + 0.05 * rng.standard_normal(n)
+        out.append(wave.astype(np.float32))
+    return out
+
+
+def save_speech(path: str | os.PathLike[str], family: str = "whisper", **overrides: Any) -> Path:
+    """Write a tiny speech model, its feature extractor (and Whisper's tokenizer) to ``path``."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    speech_model(family, **overrides).save_pretrained(folder)
+    feature_extractor(family).save_pretrained(folder)
+    if family == "whisper":
+        whisper_tokenizer().save_pretrained(folder)
     return folder

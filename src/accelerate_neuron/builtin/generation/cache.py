@@ -94,8 +94,19 @@ def initialize_before_compiled_prefill(model: Any, cache: Any, batch_size: Any) 
 
     A cache allocated inside the first compiled prefill makes that graph differ from the next call's (the
     cache then exists): one prefill graph per bucket would become two. Transformers 5.x does this itself.
+    An encoder-decoder cache has two parts (self- and cross-attention), each initialised the same way.
     """
-    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
+    parts = (
+        (cache.self_attention_cache, cache.cross_attention_cache)
+        if hasattr(cache, "cross_attention_cache") and hasattr(cache, "self_attention_cache")
+        else (cache,)
+    )
+    for part in parts:
+        _initialize(model, part, batch_size, encoder_decoder=len(parts) == 2)
+
+
+def _initialize(model: Any, cache: Any, batch_size: Any, encoder_decoder: bool) -> None:
+    layers = getattr(cache, "layers", None)
     if not isinstance(batch_size, int) or not layers or all(getattr(x, "is_initialized", True) for x in layers):
         return
     early = getattr(cache, "early_initialization", None)
@@ -104,7 +115,8 @@ def initialize_before_compiled_prefill(model: Any, cache: Any, batch_size: Any) 
         return
     try:
         if split_across_devices(model):
-            _initialize_on_layer_devices(model, layers, batch_size, shape)
+            if not encoder_decoder:
+                _initialize_on_layer_devices(model, layers, batch_size, shape)
         else:
             early(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1], dtype=model.dtype, device=model.device)
     except Exception as exc:  # lazy initialisation still works: one more prefill graph at worst
@@ -136,7 +148,9 @@ def _head_shape(model: Any) -> tuple[int, int] | None:
     except Exception:
         config = getattr(model, "config", None)
     heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None)
+    # T5 names its head size d_kv. An encoder-decoder's decoder view (get_text_config) maps the decoder's
+    # own names (decoder_attention_heads, ...) onto these.
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "d_kv", None)
     if head_dim is None and isinstance(heads, int) and isinstance(getattr(config, "hidden_size", None), int):
         head_dim = config.hidden_size // config.num_attention_heads
     if not isinstance(heads, int) or not isinstance(head_dim, int):
@@ -233,3 +247,25 @@ def compile_config_for(model: Any, model_kwargs: dict[str, Any], generation_conf
         config = copy.copy(config)  # the caller's object stays as they made it
     config._compile_all_devices = True
     return config
+
+
+#: Attribute beside upstream's ``_compiled_call`` where :func:`compile_refused_family` keeps its compiled call.
+_OWN_COMPILED = "_accelerate_neuron_compiled_call"
+
+
+def compile_refused_family(model: Any, given: Any) -> Any:
+    """The model's call compiled with ``given`` (a ``CompileConfig``; None: the generate defaults), for a family
+    whose ``get_compiled_call`` returns the uncompiled call (Llama 4 on every supported release: "TODO ... HYBRID
+    CACHE SUPPORT").
+
+    Upstream's reason is its own hybrid chunked cache; on Neuron the cache is static (chunked layers included),
+    and the decode step compiled over it gives the CPU's tokens (tests/test_families.py, llama4_text), while
+    eager decoding costs every op of the step as its own eager compile. Kept like upstream's ``_compiled_call``:
+    one per model and config.
+    """
+    config = given or compile_config("generate")
+    kept = getattr(model, _OWN_COMPILED, None)
+    if kept is None or kept[0] != config:
+        kept = (config, torch.compile(model.__call__, **config.to_dict()))
+        setattr(model, _OWN_COMPILED, kept)
+    return kept[1]

@@ -43,7 +43,7 @@ from ... import device as neuron_device
 from ... import logs, settings
 from .. import layer_regions as regions
 from .. import scope, shapes
-from . import devices, padding
+from . import devices, encoder_decoder, padding
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ class GenerateCall:
     sampling: Any = None  # ``_sample``'s tokens drawn on the device (a ``sampling.DeviceSampling``)
     forwards: int = 0  # forward inputs prepared so far (the first is the prefill's)
     regional: bool = False  # "compiled" means decoder layers compiled one by one (regions), not the whole model
+    has_encoder: bool = False  # an encoder-decoder model (its first decoder step also runs compiled)
+    compiled_forward: Callable[..., Any] | None = None  # what upstream's loop calls for a compiled forward
+    first_step_routable: bool = False  # the first step is upstream's uncompiled ``self(...)`` (greedy, sampling)
+    _unroute: Callable[[], None] | None = None  # undoes a first step routed to the compiled call, if it never ran
 
     @property
     def padded(self) -> bool:
@@ -94,7 +98,8 @@ class GenerateCall:
         cls, model: Any, dev: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[GenerateCall, tuple[Any, ...], dict[str, Any]]:
         """The call, and ``generate``'s arguments with the growing tensors where the hook wants them."""
-        call = cls(model, dev, regional=regions.enabled(model))
+        has_encoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        call = cls(model, dev, regional=regions.enabled(model), has_encoder=has_encoder)
         # Assisted decoding too: it runs on the host's sequence (:mod:`.speculation`), or, when it cannot, its
         # tensors go back to the device for upstream's loop (``wrappers.wrap_assisted_decoding``).
         args, kwargs, call.caller = devices.bring_home(model, dev, args, kwargs)
@@ -104,13 +109,20 @@ class GenerateCall:
     @contextlib.contextmanager
     def running(self) -> Iterator[GenerateCall]:
         """This call owns the model calls of the block (:mod:`..scope`): no forward inside is padded again."""
-        with scope.owned_by(self):
-            yield self
+        try:
+            with scope.owned_by(self):
+                yield self
+        finally:
+            if self._unroute is not None:
+                self._unroute()
 
     # ------------------------------------------------------------------ _prepare_cache_for_generation
 
     def plan(self, generation_config: Any, model_kwargs: dict[str, Any], mode: str) -> None:
         """Decide ``pad``, whether rows may be added and the compiled prefill, before the cache is built."""
+        # Only greedy and sampling (upstream's _sample) run their first step as an uncompiled ``self(...)`` and
+        # the later ones through the compiled call; a caller's chunked prefill runs the compiled call itself.
+        self.first_step_routable = mode in _ROW_MODES and getattr(generation_config, "prefill_chunk_size", None) is None
         if not self.prompt:
             return
         reason = self._unbucketed_reason(generation_config, model_kwargs, mode)
@@ -131,7 +143,7 @@ class GenerateCall:
             generation_config.prefill_chunk_size = self.prompt
             self.chunked = True
         self.may_add_rows = (
-            self.chunked and bool(policy.batch_buckets) and mode in _ROW_MODES and self._compiles(generation_config)
+            self.chunked and bool(policy.batch_buckets) and mode in _ROW_MODES and self.compiles(generation_config)
         )
         self.filler = shapes.pad_id(self.model.config, vocab=getattr(self.model.config, "vocab_size", None))
 
@@ -151,7 +163,7 @@ class GenerateCall:
             return f"model inputs {others} (only token ids, masks and positions are padded)"
         return None
 
-    def _compiles(self, generation_config: Any) -> bool:
+    def compiles(self, generation_config: Any) -> bool:
         """Whether every forward will run through upstream's compiled call (where dummy rows are cut).
 
         Upstream's own test (``_valid_auto_compile_criteria``) needs the cache, which is not built yet; these
@@ -224,6 +236,10 @@ class GenerateCall:
         """``prepare_inputs_for_generation``'s arguments, in the padded layout when this call is bucketed."""
         first = self.forwards == 0
         self.forwards += 1
+        if first and self.has_encoder and self.first_step_routable and self.compiled_forward and not self.regional:
+            # Upstream runs the first step uncompiled; an encoder-decoder's differs from the later ones only by
+            # filling the cross-attention cache: one graph more instead of every op of a step run eagerly.
+            self._unroute = encoder_decoder.route_next_call(self.model, self.compiled_forward)
         if not (self.padded or self.chunked):
             return args, kwargs
         return padding.pad_forward_inputs(self, first, args, kwargs)
@@ -266,6 +282,7 @@ class GenerateCall:
         greedy = self.greedy
         if self.sampling is not None or (not greedy and not self.dummy):
             # Sampling on the device picks from the logits where they are (dummy rows included) afterwards.
+            self.compiled_forward = call
             return call
         rows = self.batch if self.dummy else None
 
@@ -275,6 +292,7 @@ class GenerateCall:
                 return devices.select_greedy(outputs, rows)
             return shapes.last_logits_of_rows(outputs, self.batch, self.batch + self.dummy)
 
+        self.compiled_forward = compiled_then_select
         return compiled_then_select
 
     # ------------------------------------------------------------------ generate() returns

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .. import overrides, shapes
-from . import cache, devices, draft, padding, sampling, speculation
+from . import cache, devices, draft, encoder_decoder, padding, sampling, speculation
 from .call import GenerateCall, current
 from .concurrency import one_call_at_a_time
 
@@ -144,7 +144,11 @@ def wrap_static_cache_length(original: Callable[..., Any]) -> Callable[..., Any]
         if isinstance(requested, int):
             bound.arguments["max_cache_len"] = cache.cache_length(self, requested)
         built = original(*bound.args, **bound.kwargs)
-        if call is not None and call.chunked:
+        # An encoder-decoder's first step is compiled too (:mod:`.encoder_decoder`); its cache needs allocating first
+        # only where upstream keeps one cache between calls (4.x ``model._cache``): a fresh one per call is
+        # initialised in the same graph every call.
+        kept = call is not None and call.has_encoder and getattr(self, "_cache", None) is built
+        if call is not None and (call.chunked or kept):
             cache.initialize_before_compiled_prefill(self, built, bound.arguments.get("batch_size"))
         return built
 
@@ -251,15 +255,24 @@ def wrap_get_compiled_call(original: Callable[..., Any]) -> Callable[..., Any]:
         call = current(self)
         if call is None:
             return original(self, compile_config)
-        # With regions, the model's call itself runs, its layers compiled (a whole-model graph is never built).
-        return call.compiled(call.regional_call() if call.regional else original(self, compile_config))
+        if call.regional:  # the model's call itself runs, its layers compiled (a whole-model graph is never built)
+            return call.compiled(call.regional_call())
+        compiled = original(self, compile_config)
+        if _bound_call_of(self, compiled):
+            compiled = cache.compile_refused_family(self, compile_config)
+        return call.compiled(compiled)
 
     return get_compiled_call
 
 
+def _bound_call_of(model: Any, fn: Any) -> bool:
+    """Whether ``fn`` is ``model.__call__`` itself: upstream declined to compile (Llama 4, every release)."""
+    return getattr(fn, "__self__", None) is model and getattr(fn, "__func__", None) is type(model).__call__
+
+
 def wrap_encoder_kwargs(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Run the encoder on the model's device, its input length bucketed, while the decoder's bookkeeping stays
-    on the host."""
+    """Run the encoder on the model's device, its input length bucketed and its call compiled, while the decoder's
+    bookkeeping stays on the host."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -282,7 +295,10 @@ def wrap_encoder_kwargs(original: Callable[..., Any]) -> Callable[..., Any]:
         for_encoder = {
             k: v if k.startswith(_NOT_FOR_ENCODER) else devices.move(v, dev) for k, v in model_kwargs.items()
         }
-        result = original(self, devices.move(inputs_tensor, dev), for_encoder, *args, **kwargs)
+        call = current(self)
+        compiled = call is not None and not call.regional and call.compiles(generation_config)
+        with encoder_decoder.encoder_compiled(self, generation_config) if compiled else contextlib.nullcontext():
+            result = original(self, devices.move(inputs_tensor, dev), for_encoder, *args, **kwargs)
         # Keep the caller's (host) values for what the encoder only read; add what it produced.
         for key, value in result.items():
             if key in model_kwargs and value is for_encoder.get(key):

@@ -10,7 +10,9 @@ compiles, on Neuron. A :class:`ForwardCall` instead
 2. right-pads the sequence inputs (``input_ids``, ``attention_mask`` 0 on the
    pad, ``token_type_ids``, ``position_ids``) to a length bucket and adds dummy
    rows (copies of row 0) up to a batch bucket, on the host, then moves them to
-   the model's core: no device op depends on the real length;
+   the model's core: no device op depends on the real length. Images and audio
+   (``pixel_values``, ``input_features``, ``input_values``) have the size their
+   processor gave them: only their batch is bucketed;
 3. runs the forward compiled with the ``neuron_compile_config("forward")``
    settings (one graph per length bucket x batch bucket), or, for a model split
    over several cores (or with ``compile_regions=layers``), with each decoder
@@ -52,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 #: Sequence-shaped inputs the padded layout knows (their pad values: the shape layer's table).
 SEQUENCE_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+#: Inputs whose size per row the processor fixed (images, audio features): only the batch is bucketed. An
+#: ``attention_mask`` beside them is per row too (wav2vec2's, over audio samples).
+FIXED_SIZE_INPUTS = frozenset({"pixel_values", "input_features", "input_values", "pixel_mask"})
 #: Keyword arguments that shape the output, not the input: passed through as given.
 _FLAGS = frozenset({"output_attentions", "output_hidden_states", "return_dict", "use_cache", "task"})
 #: A model (instance attribute) that must never be bucketed: :func:`disable` sets it.
@@ -88,6 +93,7 @@ class ForwardCall:
     length: int
     compiled: bool = True  # False for a model split over several cores (a NEFF runs on one core)
     regional: bool = False  # its decoder layers are compiled one by one instead (the regions plugin)
+    tokens: bool = True  # token inputs (lengths bucketed); False: images or audio (only the batch is)
     padded_rows: int = 0
     padded_length: int = 0
 
@@ -106,33 +112,41 @@ class ForwardCall:
         if getattr(config, "is_encoder_decoder", False):
             _skip(model, "an encoder-decoder model (generate() buckets its encoder input)")
             return None
-        ids = inputs.get("input_ids")
-        if ids is None or ids.dim() != 2 or ids.is_floating_point():
-            _skip(model, "no 2-D token ids (inputs_embeds, images, audio ... keep their own shapes)")
-            return None
-        unknown = sorted(k for k in inputs if k not in SEQUENCE_INPUTS)
-        if unknown:
-            _skip(model, f"inputs {unknown} (only token ids, masks, token types and positions are padded)")
-            return None
-        if any(v.shape != ids.shape for v in inputs.values()):
-            _skip(model, "inputs of different shapes")
-            return None
         if others.get("past_key_values") is not None or others.get("use_cache") is True:
             _skip(model, "a KV cache passed or asked for (its layout would show the padding)")
             return None
         if finds_last_token_by_pad(type(model)) and getattr(config, "pad_token_id", None) is None:
             _skip(model, "a sequence classifier that finds each row's last token by the pad token, and no pad_token_id")
             return None
+        if FIXED_SIZE_INPUTS & inputs.keys():
+            rows = _fixed_size_rows(model, inputs)
+            if rows is None:
+                return None
+            length, tokens = 0, False
+        else:
+            ids = inputs.get("input_ids")
+            if ids is None or ids.dim() != 2 or ids.is_floating_point():
+                _skip(model, "no 2-D token ids, images or audio features (inputs_embeds ... keep their own shapes)")
+                return None
+            unknown = sorted(k for k in inputs if k not in SEQUENCE_INPUTS)
+            if unknown:
+                _skip(model, f"inputs {unknown} (only token ids, masks, token types and positions are padded)")
+                return None
+            if any(v.shape != ids.shape for v in inputs.values()):
+                _skip(model, "inputs of different shapes")
+                return None
+            rows, length, tokens = int(ids.shape[0]), int(ids.shape[1]), True
         split = len({p.device for p in model.parameters()}) > 1
         regional = regions.enabled(model)
         return cls(
             model,
             dev,
             dict(inputs),
-            rows=int(ids.shape[0]),
-            length=int(ids.shape[1]),
+            rows=rows,
+            length=length,
             compiled=not split and not regional,
             regional=regional,
+            tokens=tokens,
         )
 
     # ------------------------------------------------------------------ padding
@@ -140,9 +154,12 @@ class ForwardCall:
     def pad(self) -> dict[str, torch.Tensor]:
         """The inputs at the bucketed shape, on the model's core."""
         policy = shapes.resolve_policy(shapes.max_positions(self.model))  # capped at the model's positions
-        self.padded_length = policy.prompt_buckets.pad_to(self.length, "an inference call", "sequence length")
+        if self.tokens:
+            self.padded_length = policy.prompt_buckets.pad_to(self.length, "an inference call", "sequence length")
         self.padded_rows = policy.batch_buckets.pad_to(self.rows, "an inference call", "batch size")
         inputs = dict(self.inputs)
+        if self.padded_rows == self.rows and self.padded_length == self.length:  # nothing to pad: no host trip
+            return {name: value.to(self.device) for name, value in inputs.items()}
         if "attention_mask" not in inputs and self.padded_length > self.length:
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         config = getattr(self.model, "config", None)
@@ -152,7 +169,8 @@ class ForwardCall:
         padded = {}
         for name, value in inputs.items():
             host = value.to("cpu")  # padded on the host: no device op sees the real length
-            host = shapes.pad_columns(host, self.padded_length, fills[name])
+            if self.tokens:  # images and audio keep their size: rows only
+                host = shapes.pad_columns(host, self.padded_length, fills[name])
             padded[name] = shapes.add_rows(host, self.padded_rows).to(self.device)
         return padded
 
@@ -170,6 +188,20 @@ class ForwardCall:
         return Cut(self.rows, self.length, self.padded_rows, self.padded_length)(outputs)
 
     def announce(self) -> None:
+        if not self.tokens:
+            logs.once(
+                logger,
+                "inference.buckets.fixed_size",
+                "accelerate_neuron: inference calls on Neuron with images or audio features (model(...) without "
+                "gradients, pipelines) pad their batch to a batch bucket and run compiled, so varied batch sizes reuse "
+                "a few compiled graphs (this call: %s, batch %d -> %d; results are the unpadded ones). Opt out with "
+                "%s=0, or accelerate_neuron.disable_bucketing(model).",
+                type(self.model).__name__,
+                self.rows,
+                self.padded_rows,
+                settings.env_name("bucket_forwards"),
+            )
+            return
         logs.once(
             logger,
             "inference.buckets",
@@ -201,6 +233,19 @@ def compiled_call(model: Any, call: Callable[..., Any]) -> Callable[..., Any]:
             shapes.make_room_for_buckets()
             compiled = _compiled[model] = torch.compile(call, **compile_settings())
     return compiled
+
+
+def _fixed_size_rows(model: Any, inputs: Mapping[str, torch.Tensor]) -> int | None:
+    """The batch size of an image or audio call whose inputs can all be padded with rows, else None (reason logged)."""
+    unknown = sorted(k for k in inputs if k not in FIXED_SIZE_INPUTS and k != "attention_mask")
+    if unknown:
+        _skip(model, f"inputs {unknown} beside images or audio (only their batch is padded)")
+        return None
+    rows = {int(v.shape[0]) if v.dim() >= 2 else -1 for v in inputs.values()}
+    if len(rows) != 1 or -1 in rows:
+        _skip(model, "image or audio inputs without one batch dimension in common")
+        return None
+    return rows.pop()
 
 
 @functools.lru_cache(maxsize=256)
@@ -285,7 +330,7 @@ def wrap_model_call(original: Callable[..., Any]) -> Callable[..., Any]:
         if not eligible(self):
             return original(self, *args, **kwargs)
         names = _parameters(type(self))
-        if len(args) > len(names) or "attention_mask" not in names:
+        if len(args) > len(names) or ("attention_mask" not in names and not FIXED_SIZE_INPUTS.intersection(names)):
             return original(self, *args, **kwargs)
         given = {**dict(zip(names, args, strict=False)), **kwargs}
         inputs = {k: v for k, v in given.items() if isinstance(v, torch.Tensor)}
