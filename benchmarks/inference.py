@@ -10,7 +10,11 @@ clipped to 4-250; each pass draws new texts from its own seed):
 - ``rerank``: ``CrossEncoder(...).rank(query, documents)`` with 32 documents per query.
 
 Each job runs ``--passes`` passes of ``--texts`` texts on a fresh model, Dynamo reset and a cold (memory-only) NEFF
-cache, twice: patched (accelerate-neuron as installed) and stock (every patch reverted in this process). Per pass:
+cache, in four scenarios: ``patched`` (accelerate-neuron as installed: powers of two, a batch's rows grouped by the
+bucket of their own length), ``patched, one call per batch`` (``ACCELERATE_NEURON_GROUP_ROWS=0``: every row at the
+longest row's bucket, the behaviour before grouping), ``patched, fit`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=fit``,
+fitted to the sizes an earlier run of the same job on other texts recorded in a scratch NEFF cache folder) and
+stock (every patch reverted in this process). Per pass:
 graphs compiled and eager op signatures compiled (what Neuron compiles), the cost model's compile time on Trainium
 (:mod:`accelerate_neuron.costs`), padding overhead (positions the forwards computed per real token: stock pads each
 batch to its longest text, patched to a bucket), and the largest difference from the CPU's results.
@@ -24,6 +28,7 @@ import argparse
 import contextlib
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -41,6 +46,7 @@ import transformers
 import accelerate_neuron
 from accelerate_neuron import activation, costs, simulator, tiny
 from accelerate_neuron.builtin.inference import call as inference_call
+from accelerate_neuron.builtin.shapes import record
 from accelerate_neuron.simulator import neff_cache
 
 WORDS = tiny.CORPUS.split()
@@ -78,7 +84,7 @@ class Positions:
                 counter.real += (
                     int(call.inputs["attention_mask"].to("cpu").sum()) if "attention_mask" in call.inputs else 0
                 )
-                counter.computed += call.padded_rows * call.padded_length
+                counter.computed += call.computed  # the groups' shapes when its rows run in groups
                 return padded
 
             inference_call.ForwardCall.pad = pad
@@ -123,6 +129,48 @@ class Positions:
 
 #: A job: how to build its model on a device, and what one pass does with it (the results to compare).
 Job = tuple[Callable[[str], Any], Callable[[Any, list[str]], Any]]
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+#: The patched scenarios: their settings, and whether they run on buckets fitted to an earlier run of the job.
+SCENARIOS = {
+    "patched": ({}, False),
+    "patched, one call per batch": ({"ACCELERATE_NEURON_GROUP_ROWS": "0"}, False),
+    "patched, fit": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "fit", "ACCELERATE_NEURON_BATCH_BUCKETS": "fit"}, True),
+}
+
+
+def run_scenario(name: str, job: Job, passes: list[list[str]], history: list[list[str]], scenario: str) -> dict:
+    """A patched scenario; ``fit`` first runs ``history`` (an earlier run of the job, on pow2) to record its sizes."""
+    values, fitted = SCENARIOS[scenario]
+    if not fitted:
+        with environment(values):
+            return {**run_job(name, job, passes, True), "scenario": scenario}
+    folder = tempfile.mkdtemp(prefix="inference-records-")
+    try:
+        with environment({"TORCH_NEURONX_NEFF_CACHE_DIR": folder}):
+            record.reset()
+            run_job(name, job, history, True)
+            record.flush()
+            record.reset()
+            with environment(values):
+                return {**run_job(name, job, passes, True), "scenario": scenario}
+    finally:
+        record.reset()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_job(name: str, job: Job, passes: list[list[str]], patched: bool) -> dict[str, Any]:
@@ -246,12 +294,16 @@ def main() -> int:
     )
     tokenizer = tiny.encoder_tokenizer()
     passes = [texts(args.texts, args.median, args.seed + i, tokenizer) for i in range(args.passes)]
+    history = [texts(args.texts, args.median, args.seed + 100 + i, tokenizer) for i in range(args.passes)]
     results = []
     for name, job in jobs(folder, reranker).items():
         if args.only and name != args.only:
             continue
-        for patched in (True, False):
-            result = run_job(name, job, passes, patched)
+        for scenario in (*SCENARIOS, "stock"):
+            if scenario == "stock":
+                result = run_job(name, job, passes, False)
+            else:
+                result = run_scenario(name, job, passes, history, scenario)
             results.append(result)
             print(
                 f"{name:9} {result['scenario']:8} graphs={result['graphs']} eager={result['eager']} "

@@ -31,6 +31,7 @@ BASE = {
     "files",
     "records",
     "accelerate_config",
+    "padding",
 }
 PLUGIN_SIDE = {"activation", "plugins", "hookspecs", "patching", "builtin", "_autoload"}
 TOP = {"cli", "status_report", "__main__", "__init__"}

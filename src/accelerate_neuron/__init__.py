@@ -24,7 +24,15 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "disable_bucketing", "hookimpl", "precompile", "status"]
+__all__ = [
+    "__version__",
+    "disable_bucketing",
+    "hookimpl",
+    "padding_stats",
+    "precompile",
+    "reset_padding_stats",
+    "status",
+]
 
 _ENTRY_POINT = "import torch (torch.backends entry point)"
 
@@ -34,6 +42,24 @@ def status() -> Status:
     from .status_report import collect
 
     return collect()
+
+
+def padding_stats() -> dict[str, dict[str, int]]:
+    """Positions computed on Neuron, and how many were real, per call family since the process started.
+
+    ``{"generate_prefill": {"computed": ..., "real": ...}, "generate_decode": ..., "forward": ..., "training": ...,
+    "serving": ...}``: computed / real is what padding to buckets costs (1.0: none). See docs/generation.md.
+    """
+    from .padding import padding_stats as stats
+
+    return stats()
+
+
+def reset_padding_stats() -> None:
+    """Zero :func:`padding_stats`."""
+    from .padding import reset_padding_stats as reset
+
+    reset()
 
 
 def disable_bucketing(model: Any, disabled: bool = True) -> Any:

@@ -58,6 +58,9 @@ REAL_DEFAULT_DIR = "/tmp/neff_cache"
 SIMULATED_DIR_NAME = "simulated-neff-cache"
 #: A root carrying this file belongs to the simulator.
 MARKER = "ACCELERATE_NEURON_SIMULATED_NEFF_CACHE"
+#: The plugin's shape records kept beside the compiled graphs (``builtin/shapes/record.py``): a root holding only
+#: them is still empty of NEFFs, so the simulator may claim it.
+SHAPE_RECORDS = "accelerate-neuron-shapes"
 EXTENSION = ".neff"
 MAGIC = b"accelerate-neuron simulated NEFF 1\n"
 _TRUE = ("1", "true", "yes")
@@ -323,7 +326,9 @@ class NeffCache:
         """Why the root must not be written (it may be a real NEFF cache), or None; creates nothing."""
         assert self.root is not None
         try:
-            if (self.root / MARKER).exists() or not self.root.exists() or not any(self.root.iterdir()):
+            if (self.root / MARKER).exists() or not self.root.exists():
+                return None
+            if not any(entry.name != SHAPE_RECORDS for entry in self.root.iterdir()):
                 return None
         except OSError as exc:
             return f"cannot read {self.root} ({exc})"

@@ -327,7 +327,7 @@ def _track_models() -> None:
 
 def collect() -> dict[str, Any]:
     """This process's dry-run record: simulator counters, models, launch identity."""
-    from .. import backend_metrics
+    from .. import backend_metrics, padding
     from . import stats
 
     counters = stats()
@@ -347,6 +347,8 @@ def collect() -> dict[str, Any]:
         # What the backend's own functions say (torch.neuron.get_dynamo_metrics(), torch_neuronx.metrics,
         # torch_neuronx.get_fallback_ops()): the report reads these as it would on Trainium.
         "backend": backend_metrics.snapshot().as_dict(),
+        # Positions computed and real per call family (what bucketing cost), counted by the plugin side.
+        "padding": padding.padding_stats(),
         "models": _tracker.models() if _tracker is not None else [],
         "models_tracked": _tracker is not None,
     }
