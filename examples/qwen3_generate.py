@@ -10,10 +10,10 @@ and compiles the decode step once.
 
 Offline, or without Trainium, use a tiny local model and the simulated device:
 
-    python -c "from accelerate_neuron import tiny; tiny.save_pretrained('/tmp/tiny-qwen3')"
-    MODEL_ID=/tmp/tiny-qwen3 ACCELERATE_NEURON_SIMULATE=2 python examples/qwen3_generate.py
+    python -c "from accelerate_neuron import tiny; tiny.save_pretrained('./tiny-qwen3')"
+    MODEL_ID=./tiny-qwen3 ACCELERATE_NEURON_SIMULATE=2 python examples/qwen3_generate.py
     # or, with a report of placement, compiles and transfers:
-    MODEL_ID=/tmp/tiny-qwen3 accelerate-neuron simulate -- python examples/qwen3_generate.py
+    MODEL_ID=./tiny-qwen3 accelerate-neuron simulate -- python examples/qwen3_generate.py
 """
 
 import os

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -109,6 +110,28 @@ def test_broken_torch_neuronx_does_not_break_import(tmp_path: Path) -> None:
     assert simulated["neuron"] == "simulated"
     assert "spec accelerate_neuron simulator" in proc.stdout  # the stand-in shadows the placeholder
     assert "cannot be imported" in proc.stderr
+
+
+@pytest.mark.parametrize("simulate", [None, "2"])
+def test_a_broken_dependency_never_breaks_import_torch(tmp_path: Path, simulate: str | None) -> None:
+    """A pluggy that raises on import, first on the path: ``import torch`` goes on (the package imports only the
+    standard library until activation, and activation's failure is said once). Without Neuron nothing is said:
+    pluggy is not even imported."""
+    _fake_package(tmp_path, "pluggy", 'raise RuntimeError("this pluggy is broken")')
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    code = "import torch\nx = torch.ones(2)\nprint('imported', x.sum().item())\n"
+    proc = run_python(code, PYTHONPATH=path, ACCELERATE_NEURON_SIMULATE=simulate)
+    assert "imported 2.0" in proc.stdout
+    said = [line for line in proc.stderr.splitlines() if "this pluggy is broken" in line]
+    if simulate is None:
+        assert said == [], proc.stderr
+    else:
+        assert said == [
+            "accelerate_neuron: not activated (RuntimeError: this pluggy is broken); import torch goes on without "
+            "the Neuron plugin"
+        ], proc.stderr
+    disabled = run_python(code, PYTHONPATH=path, ACCELERATE_NEURON_DISABLE="1", ACCELERATE_NEURON_SIMULATE=simulate)
+    assert "imported 2.0" in disabled.stdout
 
 
 def test_works_without_accelerate_installed() -> None:

@@ -61,7 +61,7 @@ def test_help_names_every_command_and_bad_flag_exits_2() -> None:
         (["demo", "--device-map", "spread"], "argument --device-map: invalid choice: 'spread' (choose from 'auto', "),
         (["demo", "--model", "/no/such/folder"], "argument --model: '/no/such/folder' is not a folder"),
         (["env", "--bogus"], "accelerate-neuron env: error: unrecognized arguments: --bogus"),
-        (["bogus"], "invalid choice: 'bogus' (choose from 'demo', 'env', 'simulate', 'precompile')"),
+        (["bogus"], "invalid choice: 'bogus' (choose from 'demo', 'env', 'simulate', 'precompile', 'cache')"),
     ],
 )
 def test_bad_flags_name_the_flag_and_what_is_allowed(
@@ -324,6 +324,33 @@ def test_simulate_reaches_every_torchrun_worker_one_core_each(tmp_path: Path) ->
     assert "core 1" in memory and "rank 1" in memory
     assert "is used by 2 processes" not in out
     assert out.count("Sequential (rank") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.one_pair
+def test_simulate_reports_every_process_the_job_starts() -> None:
+    """Children of multiprocessing's spawn (stopped with terminate(): SIGTERM) and forkserver (which leave through
+    os._exit), and of subprocess, write their own record; a forked child, which shares its parent's counters, does
+    not report them again."""
+    script = REPO / "tests" / "scripts" / "children.py"
+    proc = cli("simulate", "--cores", "1", "--json", "--", "python", str(script), OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    report = json.loads(proc.stdout)
+    said = {}
+    for line in proc.stderr.splitlines():
+        if line.startswith('{"pid"'):
+            fields = json.loads(line)
+            said[fields.pop("kind")] = fields
+    assert said["terminated"]["exitcode"] == -15  # SIGTERM's default action, after the record was written
+    by_pid = {p["pid"]: p for p in report["processes"]}
+    kinds = ("parent", "spawn", "forkserver", "subprocess")
+    assert sorted(by_pid) == sorted(said[k]["pid"] for k in kinds), (by_pid.keys(), said)
+    assert report["processes_started"] == 4  # not the fork child
+    for kind in kinds:
+        assert by_pid[said[kind]["pid"]]["eager_signatures"] == said[kind]["eager"], kind
+    spawn = by_pid[said["spawn"]["pid"]]
+    assert spawn["compiles"] + spawn["compile_cache_hits"] == said["spawn"]["compiles"] == 1
+    assert report["distinct_graphs"] == 1 and report["graphs"][0]["processes"] == 1
 
 
 # ------------------------------------------------------------------ signals end the whole tree

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -229,6 +231,136 @@ def test_a_held_lock_is_waited_for_then_reported(tmp_path: Path, caplog: pytest.
     assert neff_cache.NeffCache(tmp_path).contains(KEY)  # the entry was still written, atomically
 
 
+# ------------------------------------------------------------------ a shared host
+
+OTHER_UID = 65534  # "nobody": another user (root, these tests' user, can make files of theirs)
+
+
+def _planted_cache(root: Path, *, owner: int | None = None, mode: int | None = None) -> Path:
+    """A cache folder holding a valid-looking marker and an entry for KEY that another user wrote."""
+    entry = root / KEY[:2] / KEY[2:4] / f"{KEY}.neff"
+    entry.parent.mkdir(parents=True)
+    (root / neff_cache.MARKER).write_text("planted\n")
+    entry.write_bytes(neff_cache.encode(KEY, {"what": "graph", "planted": True}))
+    for path in (entry, root / neff_cache.MARKER):
+        os.chown(path, OTHER_UID, OTHER_UID)
+    if owner is not None:
+        for path in (root, *root.rglob("*")):
+            os.chown(path, owner, owner)
+    if mode is not None:
+        root.chmod(mode)
+    return entry
+
+
+@pytest.mark.parametrize(
+    ("case", "owner", "mode", "why"),
+    [
+        ("folder of another user", OTHER_UID, None, "is owned by nobody (uid 65534), not by you"),
+        ("world-writable folder", None, 0o777, "is writable by group and others (mode 0777)"),
+        ("marker of another user", None, None, "is owned by nobody (uid 65534), not by you"),
+    ],
+)
+def test_a_cache_another_user_can_plant_into_is_refused(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    owner: int | None,
+    mode: int | None,
+    why: str,
+) -> None:
+    root = tmp_path / "neff"
+    _planted_cache(root, owner=owner, mode=mode)
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        cache = neff_cache.NeffCache(root)
+        assert not cache.contains(KEY)  # their entry is no hit
+        assert cache.get_or_compile(KEY, lambda: {"what": "graph"}).status == "miss"
+    assert cache.describe()["enabled"] is False
+    (warning,) = [r.getMessage() for r in caplog.records if "the simulated NEFF cache is off" in r.getMessage()]
+    named = root / neff_cache.MARKER if case == "marker of another user" else root
+    assert f"{named} {why}" in warning and "ACCELERATE_NEURON_SHARED_CACHE_DIRS" in warning
+    assert sorted(p.name for p in root.rglob("*")) == sorted([neff_cache.MARKER, KEY[:2], KEY[2:4], f"{KEY}.neff"])
+
+    monkeypatch.setenv("ACCELERATE_NEURON_SHARED_CACHE_DIRS", str(root))  # shared on purpose: theirs is read
+    shared = neff_cache.NeffCache(root)
+    assert shared.contains(KEY) and shared.describe()["enabled"] is True
+
+
+def test_entries_that_are_not_this_users_regular_files_are_refused_never_waited_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    cache = neff_cache.NeffCache(tmp_path / "neff")
+    keys = {name: f"{i:02x}" * 16 for i, name in enumerate(("fifo", "link", "huge", "theirs"))}
+    for key in keys.values():
+        cache.store(key, {"what": "graph"})
+    paths = {name: cache.entry_path(key) for name, key in keys.items()}
+    paths["fifo"].unlink()
+    os.mkfifo(paths["fifo"])  # read_bytes() on it waited for a writer forever
+    paths["link"].unlink()
+    paths["link"].symlink_to(paths["huge"])
+    with open(paths["huge"], "r+b") as f:
+        f.truncate(2**20 + 1)  # sparse: nothing is written; entries are capped at 1 MiB
+    os.chown(paths["theirs"], OTHER_UID, OTHER_UID)
+
+    found: dict[str, bool] = {}
+    later = neff_cache.NeffCache(tmp_path / "neff")
+    reader = threading.Thread(target=lambda: found.update({n: later.contains(k) for n, k in keys.items()}), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        reader.start()
+        reader.join(timeout=60)
+    try:
+        assert not reader.is_alive(), "reading a FIFO planted as an entry hung"
+    finally:
+        if reader.is_alive():  # let the stuck reader go: a writer opens the FIFO and closes it
+            os.close(os.open(paths["fifo"], os.O_WRONLY | os.O_NONBLOCK))
+    assert found == dict.fromkeys(keys, False)
+    (warning,) = [r.getMessage() for r in caplog.records if "refused NEFF cache entry" in r.getMessage()]
+    assert "is not a regular file" in warning  # said once per cache, for the first refused entry
+
+    for name in ("link", "huge", "theirs"):
+        logs_before = len(caplog.records)
+        with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+            assert neff_cache.NeffCache(tmp_path / "neff").load(keys[name]) is None
+        message = " ".join(r.getMessage() for r in caplog.records[logs_before:])
+        assert {"link": "is a symbolic link", "huge": "more than the 1048576 allowed", "theirs": "nobody"}[
+            name
+        ] in message
+
+    assert later.get_or_compile(keys["theirs"], lambda: {"what": "graph"}).status == "miss"  # compiled again
+    assert paths["theirs"].stat().st_uid == os.geteuid()  # and rewritten as this user's
+    assert stat.S_IMODE((tmp_path / "neff").stat().st_mode) == 0o700  # the folders it creates are private
+    assert stat.S_IMODE(cache.entry_path(keys["fifo"]).parent.stat().st_mode) == 0o700
+
+
+def test_a_link_planted_as_a_lock_is_not_followed_and_the_floor_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """filelock before 3.20.1 opened a planted symbolic link and truncated its target (CVE-2025-68146; a related
+    fix in 3.20.3): the declared floor excludes those releases, and the installed one refuses the link."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    requirements = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (floor,) = [Requirement(r).specifier for r in requirements if Requirement(r).name == "filelock"]
+    assert not floor.contains("3.20.2") and floor.contains("3.20.3")
+    assert floor.contains(importlib.metadata.version("filelock"))
+
+    cache = neff_cache.NeffCache(tmp_path / "neff")
+    assert cache.persistent
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "neff" / "locks").mkdir()
+    (tmp_path / "neff" / "locks" / f"{KEY}.lock").symlink_to(victim)
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        assert cache.get_or_compile(KEY, lambda: {"what": "graph"}).status == "miss"
+    assert victim.read_text() == "precious" and "cannot take the NEFF cache lock" in caplog.text
+    assert neff_cache.NeffCache(tmp_path / "neff").contains(KEY)  # compiled without the lock, entry kept
+
+
 RACER = """
     import json, logging, sys
     from pathlib import Path
@@ -274,7 +406,7 @@ def test_concurrent_writers_never_leave_a_damaged_entry(tmp_path: Path) -> None:
     assert sum(r["misses"] for r in results) == 8  # each key compiled once across 4 racing processes
     assert [r["damaged"] for r in results] == [[]] * 4  # no reader ever saw a partial entry
     found = entries(tmp_path / "cache")
-    assert len(found) == 8 and not list((tmp_path / "cache").rglob(".tmp.*"))
+    assert len(found) == 8 and not list((tmp_path / "cache").rglob(".*.tmp"))
     for path in found:
         neff_cache.decode(path.stem, path.read_bytes())
 

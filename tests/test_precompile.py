@@ -278,3 +278,49 @@ def test_inference_calls_precompiled_then_run_compiles_nothing(tmp_path: Path) -
     assert set(real["graph_keys"]) == set(two["graph_keys"])
     unwarmed = real_run(fresh_neff_cache_dir(), *script)
     assert unwarmed["compiles"] == len(real["graph_keys"]) and unwarmed["checksum"] == real["checksum"]
+
+
+def test_a_stray_precompile_variable_is_ignored_with_a_warning() -> None:
+    """``ACCELERATE_NEURON_PRECOMPILE=1`` left in a shell made every generate() return pad tokens, silently.
+    Only the command turns warm-up mode on now; the variable alone is ignored and said so on stderr."""
+    from helpers import run_python
+
+    code = """
+        import torch
+        from accelerate_neuron import tiny
+        model = tiny.model("llama")
+        prompt = torch.tensor([[1, 5, 7, 9]])
+        cpu = model.generate(prompt, max_new_tokens=4, do_sample=False)[0].tolist()
+        neuron = model.to("neuron").generate(prompt.to("neuron"), max_new_tokens=4, do_sample=False)[0].cpu().tolist()
+        print("same tokens as the CPU:", cpu == neuron, cpu, neuron)
+    """
+    proc = run_python(code, ACCELERATE_NEURON_SIMULATE="1", ACCELERATE_NEURON_PRECOMPILE="1")
+    assert "same tokens as the CPU: True" in proc.stdout, proc.stdout
+    (said,) = [line for line in proc.stderr.splitlines() if "ACCELERATE_NEURON_PRECOMPILE=1 is ignored" in line]
+    assert "not set by `accelerate-neuron precompile`" in said and "runs for real" in said
+
+
+@pytest.mark.one_pair
+def test_warm_up_mode_is_said_and_a_workers_environment_does_not_outlive_the_command(tmp_path: Path) -> None:
+    """Under precompile a script's own output file holds the warm-up's stand-ins (documented), and the worker
+    says it is warming up. Its environment, replayed after the command ended, turns nothing on."""
+    cache = fresh_neff_cache_dir()
+    script = str(SCRIPTS / "precompile_side_effects.py")
+    precompile(cache, "python", script, str(tmp_path / "warm.json"))
+    warm = json.loads((tmp_path / "warm.json").read_text())
+    assert warm["warming_up"] is True and warm["neuron"] != warm["cpu"]  # stand-ins in the script's own file
+    assert any("warm-up mode (accelerate-neuron precompile, worker 1 of 1)" in m for m in warm["heard"]), warm
+    assert warm["env"]["ACCELERATE_NEURON_PRECOMPILE"] == "0/1" and warm["env"]["ACCELERATE_NEURON_PRECOMPILE_TOKEN"]
+
+    replay = subprocess.run(
+        [sys.executable, script, str(tmp_path / "real.json")],
+        env=clean_env(**warm["env"]),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(REPO),
+    )
+    assert replay.returncode == 0, replay.stderr[-4000:]
+    real = json.loads((tmp_path / "real.json").read_text())
+    assert real["warming_up"] is False and real["neuron"] == real["cpu"]
+    assert any("is ignored: the `accelerate-neuron precompile` run that set it has ended" in m for m in real["heard"])

@@ -108,8 +108,12 @@ def test_trainer_resume_after_sigkill_replays_dropout_exactly(
     assert str(next(uninterrupted.model.parameters()).device).startswith("neuron")
     assert len(want_losses) == STEPS
 
-    saved = torch.load(tmp_path / "whole" / f"checkpoint-{SAVE_AT}" / "rng_state.pth", weights_only=False)
+    checkpoint = tmp_path / "whole" / f"checkpoint-{SAVE_AT}"
+    saved = torch.load(checkpoint / "rng_state.pth", weights_only=False)
     assert len(saved["neuron"]) == torch.neuron.device_count()  # every visible core's generator
+    # Rewritten with the Neuron states, the file keeps the permissions upstream's files get (0644 under umask
+    # 022), so a service account that resumes a shared checkpoint can read it.
+    assert (checkpoint / "rng_state.pth").stat().st_mode == (checkpoint / "scheduler.pt").stat().st_mode
 
     _killed_run(tmp_path / "killed", "after-save")  # SIGKILL right after checkpoint-2 is on disk
     assert sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*")) == [f"checkpoint-{SAVE_AT}"]
@@ -381,3 +385,51 @@ def test_accelerate_load_state_skips_the_automatic_checkpoint_a_kill_left_half_w
     assert any("checkpoint_1 (random_states_0.pkl unreadable" in r.getMessage() for r in caplog.records)
     with unpatched():
         assert equal(loaded(), saved[1])  # upstream: the torn checkpoint, no error
+
+
+class _Planted:
+    """What an attacker leaves in a shared checkpoint: a pickle whose loading writes ``marker`` (runs code)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_pickle_planted_in_a_checkpoint_never_runs(sim: Any, tmp_path: Path) -> None:
+    """The completeness check of ``load_state()`` reads zip archives, never unpickles: a planted
+    ``random_states_0.pkl`` reaches only Accelerate's own ``weights_only=True`` load, which refuses it."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    from accelerate_neuron.builtin.training import checkpoints
+
+    def accelerator() -> Any:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+        acc = Accelerator(project_config=project)
+        model = acc.prepare(torch.nn.Linear(4, 4))
+        return acc, model
+
+    acc, _ = accelerator()
+    acc.save_state()
+    folder = tmp_path / "checkpoints" / "checkpoint_0"
+    marker = tmp_path / "planted-code-ran"
+    torch.save(_Planted(marker), folder / "random_states_0.pkl")
+
+    acc, _ = accelerator()
+    acc.load_state()  # upstream refuses the planted file (weights_only) and goes on, as it does for a torn one
+    assert not marker.exists(), "loading the checkpoint ran the planted pickle"
+
+    torch.save(_Planted(marker), folder / "custom_checkpoint_0.pkl")
+    assert checkpoints.accelerate_incomplete(str(folder), processes=1, custom_objects=1) is None  # whole archives
+    assert not marker.exists(), "the completeness check ran the planted pickle"
+    half = folder / "custom_checkpoint_0.pkl"
+    half.write_bytes(half.read_bytes()[:-40])
+    assert "custom_checkpoint_0.pkl unreadable" in checkpoints.accelerate_incomplete(str(folder), 1, 1)
+
+    torch.load(folder / "random_states_0.pkl", weights_only=False)  # the planted file is live: unpickled, it runs
+    assert marker.read_text() == "ran"

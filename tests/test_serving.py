@@ -421,23 +421,30 @@ def _graphs_by_frame(cache: Path) -> collections.Counter:
     reason="`transformers serve` needs fastapi and uvicorn (the project's test extra installs them)",
 )
 def test_transformers_serve_answers_on_localhost_and_compiles_nothing_after_its_warm_up(qwen, reference, tok) -> None:
+    """Run as a user dry-runs a server: `accelerate-neuron simulate -- transformers serve ...`, stopped with Ctrl-C.
+
+    The model runs in a process serve starts with multiprocessing's spawn and stops with terminate() (SIGTERM):
+    simulate's report holds that process's record, its graphs and the model's placement.
+    """
+    from openai import OpenAI
+
     cache = Path(fresh_neff_cache_dir())
     port = _free_port()
     where = ["--host", "127.0.0.1", "--port", str(port)]
+    simulate = [sys.executable, "-m", "accelerate_neuron", "simulate", "--cores", "2", "--json", "--"]
+    serve = [str(Path(sys.executable).with_name("transformers")), "serve", qwen, "--continuous-batching", *where]
     server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("transformers")), "serve", qwen, "--continuous-batching", *where],
-        env=clean_env(
-            ACCELERATE_NEURON_SIMULATE="2", TORCH_NEURONX_NEFF_CACHE_DIR=str(cache), OMP_NUM_THREADS="1", **GRID_ENV
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        [*simulate, *serve],
+        env=clean_env(TORCH_NEURONX_NEFF_CACHE_DIR=str(cache), OMP_NUM_THREADS="1", **GRID_ENV),
+        stdout=subprocess.PIPE,  # the dry-run report (--json)
+        stderr=subprocess.PIPE,  # the server's output
         text=True,
         start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 600
         while True:
-            assert server.poll() is None, server.stdout.read()[-4000:]
+            assert server.poll() is None, server.stderr.read()[-4000:]
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
                 break
@@ -466,11 +473,31 @@ def test_transformers_serve_answers_on_localhost_and_compiles_nothing_after_its_
             status, payload = _post(port, {"model": qwen, "prompt": prompt(30), "max_tokens": 5000, "temperature": 0})
             assert status == 400 and "ACCELERATE_NEURON_SERVING_KV_CACHE_TOKENS" in payload, (status, payload)
             assert _graphs_by_frame(cache) == warmed  # answering compiled no graph
+
+        # The official client, as a user's application calls the server.
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        text = prompt(12, 5)
+        expected = cpu_tokens(reference, tok(text)["input_ids"], 6)
+        answer = client.completions.create(model=qwen, prompt=text, max_tokens=6, temperature=0)
+        assert answer.usage.completion_tokens == len(expected)
+        assert answer.choices[0].text == tok.decode(expected, skip_special_tokens=True)
+        assert _graphs_by_frame(cache) == warmed
     finally:
-        os.killpg(server.pid, signal.SIGINT)
+        os.killpg(server.pid, signal.SIGINT)  # Ctrl-C: to simulate, serve and its model's process
         try:
-            output, _ = server.communicate(timeout=60)
+            report_line, output = server.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-            output, _ = server.communicate()
+            report_line, output = server.communicate()
     assert "compiled a new graph after its warm-up" not in output, output[-4000:]
+
+    report = json.loads(report_line)
+    assert report["exit_code"] == server.returncode
+    # serve's own process (no device work) and its model's process, whose record alone used the device
+    assert report["processes_started"] >= 2 and report["processes_using_device"] == 1, report["processes"]
+    model_process = report["processes"][0]
+    assert model_process["compiles"] == sum(warmed.values()) > 0  # every graph in the cold cache is its
+    # the graphs it handed the compiler: compiled, or loaded from the cache (a shape another frame compiled)
+    assert report["distinct_graphs"] == model_process["compiles"] + model_process["compile_cache_hits"]
+    placement = report["placement"][0]
+    assert placement["model"] == "Qwen3ForCausalLM" and list(placement["bytes"]) == ["core 0"], placement

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -272,3 +273,76 @@ def test_a_failed_write_leaves_the_old_file_and_no_debris(tmp_path: Path) -> Non
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
     files.write_atomically(target, b"new")
     assert target.read_text() == "new"
+
+
+def test_a_replaced_file_keeps_the_permissions_it_would_have_had(tmp_path: Path) -> None:
+    import stat
+
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    umask = os.umask(0o027)
+    try:
+        assert mode(files.write_atomically(tmp_path / "new.json", "{}")) == 0o640  # as open(path, "w") gives
+        kept = tmp_path / "kept.pth"
+        kept.write_bytes(b"old")
+        kept.chmod(0o604)
+        files.write_atomically(kept, b"new")
+        assert mode(kept) == 0o604 and kept.read_bytes() == b"new"  # the replaced file's mode
+    finally:
+        os.umask(umask)
+    assert mode(files.write_atomically(tmp_path / "chosen", "", mode=0o600)) == 0o600
+
+    # Temporary names are unpredictable, and a planted link is never written through.
+    names = {files.temporary_name(tmp_path / "x").name for _ in range(3)}
+    assert len(names) == 3 and not any(str(os.getpid()) in name for name in names)
+    victim = tmp_path / "victim"
+    victim.write_text("intact")
+    (tmp_path / "planted").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        files.create_new(tmp_path / "planted")
+    assert victim.read_text() == "intact"
+
+
+def test_sizes_are_parsed_exactly_and_refused_beyond_int64() -> None:
+    from accelerate_neuron.sizes import parse_size
+
+    MAX_SIZE = 2**63 - 1
+    assert parse_size("9007199254740993") == 9007199254740993  # through a float: ...992
+    assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("0.1KB") == 100
+    assert parse_size("8388607.999999999999TiB") == 8388607 * 2**40 + 2**40 - 2  # exact digits, then floored
+    assert parse_size(str(MAX_SIZE)) == MAX_SIZE
+    for beyond in (str(2**63), "8388608TiB", "9" * 5000 + "GiB", 2**63):
+        with pytest.raises(ValueError, match=r"more than 9223372036854775807 bytes \(2\^63 - 1"):
+            parse_size(beyond, what="simulated HBM per core")
+    with pytest.raises(settings.SettingError, match=r"ACCELERATE_NEURON_SIM_HBM='8388608TiB'.*2\^63 - 1"):
+        settings.parse("sim_hbm", "8388608TiB")
+
+
+def test_a_simulated_memory_beyond_int64_is_refused_not_wrapped() -> None:
+    """At 2^63 bytes the C++ runtime's int64 capacity wrapped to a negative size; now the value is refused."""
+    from helpers import run_python
+
+    proc = run_python(
+        "import torch; print('memory', torch.neuron.get_device_properties(0).total_memory if hasattr(torch, 'neuron')"
+        " and torch.neuron.is_available() else None)",
+        ACCELERATE_NEURON_SIMULATE="1",
+        ACCELERATE_NEURON_SIM_HBM="8388608TiB",
+    )
+    assert "memory None" in proc.stdout, proc.stdout
+    assert "ACCELERATE_NEURON_SIM_HBM='8388608TiB'" in proc.stderr and "2^63 - 1" in proc.stderr
+
+
+def test_core_lists_are_bounded_before_they_are_expanded() -> None:
+    from accelerate_neuron import sizes
+    from accelerate_neuron.sizes import parse_core_list
+
+    with pytest.raises(ValueError, match=r"'0-5000000': core 5000000 is beyond the highest core id accepted \(4095\)"):
+        parse_core_list("0-5000000")  # expanded first, this took 550 MB
+    with pytest.raises(ValueError, match=r"NEURON_RT_VISIBLE_CORES='0-99999999999': core 99999999999 is beyond"):
+        parse_core_list("0-99999999999")  # expanded first, this never returned
+    with pytest.raises(ValueError, match=r"core 7 does not exist; this host has 4 Neuron core\(s\)"):
+        parse_core_list("0-7", total=4)
+    with pytest.raises(ValueError, match=r"is beyond the highest core id"):
+        parse_core_list("0-" + "9" * 5000)
+    assert parse_core_list(f"0-3,{sizes.MAX_CORE_ID}") == [0, 1, 2, 3, sizes.MAX_CORE_ID]

@@ -3,6 +3,11 @@
 Installed, it activates on ``import torch`` (entry point group ``torch.backends``)
 or on ``import accelerate_neuron``. On a machine without a Neuron device it
 changes nothing.
+
+Importing this package runs inside every ``import torch`` (the entry point lives in it), so at
+module level it imports the standard library only: a broken dependency (pluggy, say) can make
+activation fail, which is said once, never make ``import torch`` fail. ``hookimpl`` is looked up
+when first used.
 """
 
 from __future__ import annotations
@@ -14,9 +19,8 @@ _IMPORT_STARTED = _time.perf_counter()  # the entry point's cost includes this p
 from importlib.metadata import PackageNotFoundError, version  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
-from .hookspecs import hookimpl  # noqa: E402
-
 if TYPE_CHECKING:
+    from .hookspecs import hookimpl
     from .status_report import Status
 
 try:
@@ -28,13 +32,26 @@ __all__ = [
     "__version__",
     "disable_bucketing",
     "hookimpl",
+    "is_warming_up",
+    "moe_stats",
     "padding_stats",
     "precompile",
+    "reset_moe_stats",
     "reset_padding_stats",
     "status",
 ]
 
 _ENTRY_POINT = "import torch (torch.backends entry point)"
+
+
+def __getattr__(name: str) -> Any:
+    # ``from accelerate_neuron import hookimpl`` (third-party plugins): pluggy is imported here, not on import torch.
+    if name == "hookimpl":
+        from .hookspecs import hookimpl
+
+        globals()["hookimpl"] = hookimpl
+        return hookimpl
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def status() -> Status:
@@ -73,6 +90,30 @@ def disable_bucketing(model: Any, disabled: bool = True) -> Any:
     return disable(model, disabled)
 
 
+def moe_stats(model: Any = None) -> dict[str, Any]:
+    """What mixture-of-experts layers computed on Neuron since the process started (or :func:`reset_moe_stats`).
+
+    ``shapes``: per call shape, the implementation that ran (``blockwise``, ``gathered``, ``dense``, ...), tokens,
+    ``top_k``, experts, rows multiplied, ``ratio`` (the experts' FLOPs over a sparse dispatch's), FLOPs per token,
+    eager ``calls`` and whether a compiled graph holds it (``compiled``: counted once, when traced). With
+    ``model``: also ``dropped_pairs``, the pairs its experts dropped in their last call (capacity mode only,
+    ``ACCELERATE_NEURON_MOE_CAPACITY_FACTOR``).
+    """
+    from . import moe_accounting as stats
+
+    snapshot = stats.snapshot()
+    if model is not None:
+        snapshot["dropped_pairs"] = stats.dropped_pairs(model)
+    return snapshot
+
+
+def reset_moe_stats() -> None:
+    """Forget the MoE calls :func:`moe_stats` reports."""
+    from . import moe_accounting as stats
+
+    stats.reset()
+
+
 def precompile(target: Any, **options: Any) -> dict[str, Any]:
     """Fill the NEFF cache for ``target`` in this process: a model's ``generate()`` shapes, or a ``Trainer``'s.
 
@@ -96,6 +137,17 @@ def precompile(target: Any, **options: Any) -> dict[str, Any]:
         report.update(delta)
         report["estimate"] = costs.estimate(delta["graphs_compiled"], delta["eager_compiled"])
     return report
+
+
+def is_warming_up() -> bool:
+    """Whether this process runs as a warm-up: an ``accelerate-neuron precompile`` worker, or inside ``precompile()``.
+
+    ``generate()`` then returns stand-ins (the prompt, then pad tokens): a script skips its own side
+    effects (writing results, sending them) with ``if not accelerate_neuron.is_warming_up(): ...``.
+    """
+    from .builtin import precompile_session as session
+
+    return session.current() is not None
 
 
 def _simulator_counts() -> Any:
@@ -126,8 +178,12 @@ def _activate_on_import() -> None:
         in_torch_import = torch is not None and getattr(getattr(torch, "__spec__", None), "_initializing", False)
         state = activate(_ENTRY_POINT if in_torch_import else "import accelerate_neuron")
         state.seconds = _time.perf_counter() - _IMPORT_STARTED
-    except Exception:  # never break an import
-        pass
+    except BaseException as exc:  # never break an import (not even with SystemExit from a broken dependency)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        from ._autoload import said_once
+
+        said_once(exc)
 
 
 _activate_on_import()

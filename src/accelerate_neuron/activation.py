@@ -69,7 +69,9 @@ def activate(source: str = "import accelerate_neuron") -> ActivationState:
         except Exception as exc:  # the contract: activation never breaks the user's import
             _state.error = f"{type(exc).__name__}: {exc}"
             _state.inert_reason = "activation failed"
-            logger.debug("accelerate_neuron activation failed", exc_info=True)
+            from ._autoload import said_once
+
+            said_once(exc)
         finally:
             _state.activated = True
             _state.seconds = time.perf_counter() - started
@@ -96,6 +98,8 @@ def _activate() -> None:
     _load_real_backend()
     _maybe_simulate()
     _state.neuron = device.kind()
+    if _state.neuron == "real":
+        _publish_new_neffs()
     if _state.neuron is None:
         _state.inert_reason = "no Neuron device (real or simulated): nothing is patched"
         return
@@ -110,6 +114,18 @@ def _activate() -> None:
         return
     refresh_upstream_gates()
     _schedule_patches()
+
+
+def _publish_new_neffs() -> None:
+    """With a remote compile cache on a real device: publish at exit the NEFFs this process compiled."""
+    if settings.get_quietly("remote_cache") is None:
+        return
+    try:
+        from .compile_cache import real_neff
+
+        real_neff.start()
+    except Exception as exc:  # the remote cache is an optimisation: never a reason for a failed import
+        logger.warning("accelerate_neuron: the remote compile cache is not used: %s", exc)
 
 
 def _load_real_backend() -> None:
@@ -144,7 +160,16 @@ def _maybe_simulate() -> None:
 
         report.install_from_env()
     except Exception as exc:
-        logger.warning("accelerate_neuron: could not install the simulated Neuron device: %s", exc)
+        # One line on `import torch` (a compiler's output can run to pages): the rest at debug level.
+        first, _, rest = str(exc).strip().partition("\n")
+        logger.warning(
+            "accelerate_neuron: could not install the simulated Neuron device: %s%s",
+            first,
+            f" (and {len(rest.splitlines())} more line(s) at debug level: {settings.env_name('log_level')}=debug)"
+            if rest
+            else "",
+        )
+        logger.debug("accelerate_neuron: the simulated Neuron device failed to install", exc_info=True)
 
 
 def _guard_xla() -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .sizes import parse_size
+from .sizes import SizeTooLarge, parse_size
 
 PREFIX = "ACCELERATE_NEURON_"
 ON_WORDS = frozenset({"1", "on", "true", "yes"})
@@ -52,6 +52,10 @@ class SettingError(ValueError):
     """A setting has a value it does not accept."""
 
     def __init__(self, setting: Setting, value: Any, origin: str, detail: str = "") -> None:
+        if setting.parse is parse_remote_url:  # a URL may carry credentials: never in a message
+            from .compile_cache.urls import redact
+
+            value = redact(str(value))
         shown = f"{setting.env}={value!r}" if origin == "environment" else f"{setting.name}: {value!r} ({origin})"
         choices = setting.choices.replace("`", "'")
         message = f"invalid {shown}: expected {choices}"
@@ -128,14 +132,53 @@ def parse_text(value: Any) -> str:
     return str(value).strip()
 
 
+def parse_remote_url(value: Any) -> Any:
+    """``remote_cache``: a ``file://``, ``s3://`` or ``hf://`` URL (checked, not opened), or an off word -> None."""
+    from .compile_cache import urls
+
+    text = str(value).strip()
+    if not text or _words(text) in OFF_WORDS:
+        return None
+    try:
+        return urls.parse(text)
+    except urls.RemoteURLError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def parse_seconds(value: Any) -> float:
+    """A positive, finite number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("")
+    try:
+        seconds = float(str(value).strip())
+    except ValueError:
+        raise ValueError("") from None
+    if not 0 < seconds < float("inf"):
+        raise ValueError("")
+    return seconds
+
+
 def parse_size_text(value: Any) -> str:
     text = str(value).strip()
     try:
-        if parse_size(text) <= 0:
-            raise ValueError("")
+        size = parse_size(text)
+    except SizeTooLarge as exc:
+        raise ValueError(str(exc).partition(": ")[2]) from None  # names the bound it passed
     except ValueError:
         raise ValueError("") from None
+    if size <= 0:
+        raise ValueError("")
     return text
+
+
+def parse_folders(value: Any) -> tuple[str, ...]:
+    """Absolute folder paths separated by ``os.pathsep`` (``:``), or a YAML list of them; empty: none."""
+    items = [str(v) for v in value] if isinstance(value, list | tuple) else str(value).split(os.pathsep)
+    folders = [os.path.expanduser(item.strip()) for item in items if item.strip()]
+    relative = [f for f in folders if not os.path.isabs(f)]
+    if relative:
+        raise ValueError(f"{relative[0]!r} is not an absolute path")
+    return tuple(folders)
 
 
 _REGION_MODES = ("off", "layers", "auto")
@@ -163,9 +206,40 @@ def parse_moe_experts(value: Any) -> str:
     text = _words(value)
     if text in OFF_WORDS:
         return "off"
-    if text not in ("auto", "dense"):
+    if text not in ("auto", "blockwise", "dense"):
         raise ValueError("")
     return text
+
+
+#: The largest ``moe_block_size`` accepted (rows per block; NeuronX Distributed's default is 512).
+MAX_MOE_BLOCK = 4096
+
+
+def parse_moe_block_size(value: Any) -> int | None:
+    """``auto`` -> None (chosen by the call's shape), or rows per block from 1 to :data:`MAX_MOE_BLOCK`."""
+    if isinstance(value, str) and _words(value) == "auto":
+        return None
+    block = parse_positive_count(value)
+    if block > MAX_MOE_BLOCK:
+        raise ValueError(f"at most {MAX_MOE_BLOCK} rows per block")
+    return block
+
+
+def parse_capacity_factor(value: Any) -> float | None:
+    """Off words -> None (dropless); else a finite factor > 0 (at most 64)."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool):
+        raise ValueError("")
+    if isinstance(value, str) and _words(value) in OFF_WORDS:
+        return None
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("") from None
+    if not 0 < factor <= 64:  # also refuses nan and inf
+        raise ValueError("")
+    return factor
 
 
 @dataclass(frozen=True)
@@ -298,6 +372,19 @@ SETTINGS: tuple[Setting, ...] = (
         config=False,
     ),
     Setting(
+        "shared_cache_dirs",
+        parse_folders,
+        (),
+        "absolute folder paths separated by `:`",
+        "Cache folders that other users share on purpose (a team's `TORCH_NEURONX_NEFF_CACHE_DIR`): the plugin "
+        "reads entries there that other users wrote, and writes its own readable by your group. Anywhere else, a "
+        "folder or file owned by another user or writable by group/others is refused with a warning. A library is "
+        "never loaded from a shared folder: the simulated device's is built in your own cache folder.",
+        "activation",
+        default_text="unset (no folder is shared)",
+        config=False,
+    ),
+    Setting(
         "log_level",
         parse_level,
         "",
@@ -385,12 +472,38 @@ SETTINGS: tuple[Setting, ...] = (
         "moe_experts",
         parse_moe_experts,
         "auto",
-        "`auto`, `dense` or `off`",
+        "`auto`, `blockwise`, `dense` or `off`",
         "Mixture-of-experts layers on Neuron when the model did not ask for an `experts_implementation`: `auto` "
-        "runs every expert on every token, or gathers each token's experts' weights when that reads fewer "
-        "(small decode batches); `dense` always the former; `off` leaves upstream's default (`grouped_mm`, "
-        "routing-dependent shapes). Both choices are exact and fixed by the call's shape, never by the routing.",
+        "runs each call blockwise (the (token, expert) pairs sorted into blocks of one expert each: about the "
+        "FLOPs of a sparse dispatch), or gathers each pair's expert weights when a call routes fewer pairs than "
+        "there are experts (small decode batches); `blockwise` always the former; `dense` runs every expert on "
+        "every token (`experts / top_k` times the FLOPs); `off` leaves upstream's default (`grouped_mm`, "
+        "routing-dependent shapes). Every choice is exact and has shapes fixed by the call's shape, never by the "
+        "routing.",
         "moe",
+    ),
+    Setting(
+        "moe_block_size",
+        parse_moe_block_size,
+        None,
+        f"`auto`, or rows per block from 1 to {MAX_MOE_BLOCK}",
+        "Rows per block of the blockwise experts. `auto`: per call shape, the largest power of two (at most 512) "
+        "whose worst-case padding is at most half the call's (token, expert) pairs (at most 1.5x a sparse "
+        "dispatch's FLOPs). Larger blocks: larger matmuls and fewer expert-weight reads, more padded rows.",
+        "moe",
+        default_text="`auto`",
+    ),
+    Setting(
+        "moe_capacity_factor",
+        parse_capacity_factor,
+        None,
+        "`off`, or a factor > 0 up to 64, e.g. `1.25`",
+        "Blockwise experts with a fixed capacity per expert, `min(tokens, ceil(tokens * top_k * factor / "
+        "experts))` rows, as NeuronX Distributed's `capacity_factor`: pairs past an expert's capacity are "
+        "**dropped** (results change; counted in `accelerate_neuron.moe_stats()`). Also the per-peer capacity of "
+        "the expert-parallel exchange. `off`: dropless.",
+        "moe",
+        default_text="`off` (dropless)",
     ),
     # --- training
     Setting(
@@ -447,6 +560,38 @@ SETTINGS: tuple[Setting, ...] = (
         "serving",
         hook="neuron_serving_shape_policy",
     ),
+    # --- the compile cache shared by a fleet
+    Setting(
+        "remote_cache",
+        parse_remote_url,
+        None,
+        "a URL: `file:///shared/folder` (or an absolute path), `s3://bucket/prefix`, `hf://datasets/org/repo`; or "
+        "`off`",
+        "A compile cache shared by a fleet, behind the local NEFF cache: a local miss is looked up there before "
+        "compiling, and what this host compiles is published there in the background. `s3://` needs `s3fs` "
+        "(credentials from the standard AWS chain), `hf://` needs `huggingface_hub`. See Compile once.",
+        "compile cache",
+        default_text="unset (no remote tier)",
+    ),
+    Setting(
+        "remote_cache_read_only",
+        parse_switch,
+        False,
+        _SWITCH,
+        "Fetch from `remote_cache` but never publish to it (serving hosts, consumers without write access).",
+        "compile cache",
+        default_text="off",
+    ),
+    Setting(
+        "remote_cache_timeout",
+        parse_seconds,
+        60.0,
+        "a positive number of seconds, e.g. `60`",
+        "How long a process waits at exit for its entries to reach `remote_cache`; what is left stays in the "
+        "local cache (`accelerate-neuron cache push` publishes it).",
+        "compile cache",
+        default_text="`60`",
+    ),
     # --- set by the commands (children read them); listed so that `env` and the reference know them
     Setting(
         "report_dir",
@@ -472,6 +617,17 @@ SETTINGS: tuple[Setting, ...] = (
         "",
         "a file",
         "Where a warm-up worker reports its progress (set by `accelerate-neuron precompile`).",
+        "commands",
+        config=False,
+    ),
+    Setting(
+        "precompile_token",
+        parse_text,
+        "",
+        "a token",
+        "Proves that `accelerate-neuron precompile` started this process (it must match the token file the "
+        "command keeps in its scratch folder while it runs): without it, `ACCELERATE_NEURON_PRECOMPILE` is "
+        "ignored with a warning (set by `accelerate-neuron precompile`).",
         "commands",
         config=False,
     ),
@@ -647,6 +803,12 @@ def config_value(name: str, value: Any) -> Any:
         return "off" if value == () else value if isinstance(value, str) else list(value)
     if item.parse is parse_level:
         return str(value).lower()
+    if item.parse is parse_remote_url:
+        return "off" if value is None else value.url
+    if item.parse is parse_moe_block_size and value is None:
+        return "auto"
+    if item.parse is parse_capacity_factor and value is None:
+        return "off"
     return value
 
 
@@ -754,10 +916,15 @@ TABLE_END = "<!-- end of settings table -->"
 
 
 def cache_dir() -> Path:
-    """The ``cache_dir`` setting, or ``$XDG_CACHE_HOME/accelerate_neuron`` (``~/.cache/accelerate_neuron``)."""
+    """The ``cache_dir`` setting, or :func:`default_cache_dir`."""
     chosen = get("cache_dir")
     if chosen:
         return Path(chosen).expanduser()
+    return default_cache_dir()
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/accelerate_neuron`` (``~/.cache/accelerate_neuron``): the user's own."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "accelerate_neuron"
 
 

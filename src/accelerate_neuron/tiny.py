@@ -38,6 +38,98 @@ DECODER_SIZES = {
 }
 
 
+#: Every mixture-of-experts family a Trainium user runs, at toy size (model_type -> config keyword arguments on top of
+#: :data:`DECODER_SIZES`): 8 experts, top-2 (Llama 4: top-1, as the family is), so a prefill of 4 tokens or more
+#: routes at least as many (token, expert) pairs as there are experts (the blockwise path) and a decode step of a
+#: batch of 2 fewer (the gathered path). :func:`moe_config` builds them; a release without the family raises.
+MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        "moe_intermediate_size": 32,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {  # a shared expert with its own sigmoid gate
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "olmoe": {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2},
+    "granitemoe": {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "deepseek_v3": {  # shared experts, grouped routing, MLA attention, a dense first layer
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+    },
+    "gpt_oss": {  # attention sinks, sliding-window layers, biased experts with a clamped SwiGLU
+        "intermediate_size": 32,
+        "head_dim": 16,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "glm4_moe": {  # shared experts, a dense first layer
+        "moe_intermediate_size": 32,
+        "head_dim": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "llama4_text": {  # top-1 with a sigmoid score applied to the expert's input, a shared expert
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 128,
+        "head_dim": 16,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 1,
+    },
+    "qwen3_next": {  # hybrid linear attention (a gated delta net with a causal conv1d) and a shared expert
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "layer_types": ["linear_attention", "full_attention"],
+    },
+}
+
+
+def moe_config(model_type: str, vocab_size: int = 512, **overrides: Any) -> Any:
+    """A toy-size config of MoE family ``model_type`` (a key of :data:`MOE_CONFIGS`).
+
+    Raises ``ValueError`` when the installed Transformers does not have the family.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in MOE_CONFIGS:
+        raise ValueError(f"unknown tiny MoE family {model_type!r}; expected one of {', '.join(MOE_CONFIGS)}")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"this Transformers release has no {model_type!r} models")
+    common = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    return AutoConfig.for_model(model_type, **{**DECODER_SIZES, **common, **MOE_CONFIGS[model_type], **overrides})
+
+
 def tokenizer(vocab_size: int = 384) -> Any:
     """A small byte-level BPE fast tokenizer trained on :data:`CORPUS` (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

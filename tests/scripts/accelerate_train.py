@@ -2,6 +2,8 @@
 
     accelerate launch --config_file CONFIG accelerate_train.py OUT_DIR
 
+(tests/scripts/ray_train.py runs :func:`main` in Ray Train workers.)
+
 Nothing here knows about Neuron. Each rank writes OUT_DIR/rank<r>.json: its
 distributed type, device and physical core, the loss of every step (mean over
 all ranks), the results of reduce/gather/RNG synchronisation, and the final weights.
@@ -60,10 +62,11 @@ def reference(processes: int, device: torch.device) -> dict:
     return {"losses": losses, "weights": [p.detach().cpu().flatten().tolist() for p in net.parameters()]}
 
 
-def main() -> None:
+def main(out_dir: str | None = None) -> None:
+    """The loop; ``out_dir`` defaults to argv[1] (a Ray Train worker passes it)."""
     from accelerate import Accelerator
 
-    out_dir = sys.argv[1]
+    out_dir = out_dir or sys.argv[1]
     accelerator = Accelerator()
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)

@@ -43,9 +43,11 @@ def counts(since: dict[str, Any]) -> dict[str, Any]:
     from accelerate_neuron import simulator
 
     now = simulator.stats()
+    graphs = now["graphs"][len(since["graphs"]) :]
     return {
         "compiles": now["compiles"] - since["compiles"],
-        "graph_keys": [g["cache_key"] for g in now["graphs"][len(since["graphs"]) :]],
+        "graph_keys": [g["cache_key"] for g in graphs],
+        "breaks": sorted({(g.get("frame") or {}).get("graph_break") or "" for g in graphs} - {""}),
         "compile_cache_hits": now["compile_cache_hits"] - since["compile_cache_hits"],
         "eager_signatures": now["eager_signatures"] - since["eager_signatures"],
         "cpu_fallbacks": now["cpu_fallbacks"] - since["cpu_fallbacks"],

@@ -1,7 +1,10 @@
 """One process's warm-up: which shard it is, which shapes it has seen, and the progress it reports.
 
 ``accelerate-neuron precompile --jobs N -- CMD`` starts CMD N times with
-``ACCELERATE_NEURON_PRECOMPILE=i/N``. Every worker runs the same script, so each
+``ACCELERATE_NEURON_PRECOMPILE=i/N`` and a token that proves the command started it
+(:mod:`accelerate_neuron.precompile_token`: the variable alone, left behind in a shell, is ignored
+with a warning; warm-up mode, when on, is announced with a warning too, since ``generate()`` then
+returns stand-ins). Every worker runs the same script, so each
 meets the same shapes in the same order; a worker compiles only the shapes whose
 index (order of first appearance) is ``i`` modulo ``N``, and returns at once for
 the others. Progress goes, one JSON object per line, to the file named by
@@ -24,13 +27,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import settings
+from .. import logs, precompile_token, settings
+from ..compile_cache import outcomes
 
 logger = logging.getLogger(__name__)
 
 PRECOMPILE_ENV = settings.env_name("precompile")
 PROGRESS_ENV = settings.env_name("precompile_progress")
 SCRATCH_ENV = settings.env_name("precompile_scratch")
+TOKEN_ENV = settings.env_name("precompile_token")
 
 
 @dataclass
@@ -68,7 +73,9 @@ class Session:
 
     def done(self, kind: str, shape: dict[str, Any], seconds: float) -> None:
         signature = _signature(kind, shape)
-        self.emit({"event": "done", "index": self.seen.get(signature), "kind": kind, "seconds": round(seconds, 3)})
+        event = {"event": "done", "index": self.seen.get(signature), "kind": kind, "seconds": round(seconds, 3)}
+        # This process's graph lookups so far, by outcome (compiled / remote / disk / memory): precompile's counts.
+        self.emit({**event, "lookups": outcomes.snapshot()})
 
     def emit(self, event: dict[str, Any]) -> None:
         """Append one event to the progress file (a line per event, written whole: the parent reads as it goes)."""
@@ -82,6 +89,12 @@ class Session:
                 fh.write(line + "\n")
         except OSError as exc:  # progress is for the bar; the warm-up itself goes on
             logger.debug("accelerate_neuron: precompile progress not written (%s)", exc)
+
+
+def labelled(kind: str, shape: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """Entries compiled in the block say which warm-up, model and bucket made them (``accelerate-neuron cache ls``)."""
+    rest = {k: v for k, v in shape.items() if k != "model"}
+    return outcomes.labelled(warmup=kind, model=shape.get("model"), shape=rest)
 
 
 def _signature(kind: str, shape: dict[str, Any]) -> str:
@@ -99,6 +112,48 @@ def _rank() -> int:
 _lock = threading.Lock()
 _session: Session | None = None
 _from_env_read = False
+_checked = False
+_shard: tuple[int, int] | None = None
+
+
+def _shard_from_environment() -> tuple[int, int] | None:
+    """The shard the environment names, if ``accelerate-neuron precompile`` set it (else None, with a warning)."""
+    global _checked, _shard
+    if _checked:
+        return _shard
+    try:
+        shard = settings.get("precompile")
+    except ValueError as exc:
+        logs.once(logger, ("warmup.invalid", str(exc)), "accelerate_neuron: %s; the script runs for real", exc)
+        shard = None
+    if shard is not None:
+        reason = precompile_token.why_not(
+            settings.get_quietly("precompile_token"), settings.get_quietly("precompile_scratch")
+        )
+        if reason is not None:
+            logs.once(
+                logger,
+                ("warmup.ignored", reason),
+                "accelerate_neuron: %s=%s is ignored: %s. The script runs for real; unset the variable (only "
+                "`accelerate-neuron precompile` turns warm-up mode on).",
+                PRECOMPILE_ENV,
+                (settings.raw("precompile") or ("",))[0],
+                reason,
+            )
+            shard = None
+        else:
+            logs.once(
+                logger,
+                "warmup.on",
+                "accelerate_neuron: warm-up mode (accelerate-neuron precompile, worker %d of %d): generate() returns "
+                "stand-ins (the prompt, then pad tokens), a Trainer runs one batch per shape, restores the weights "
+                "and writes nothing; files this script writes itself get those stand-ins "
+                "(accelerate_neuron.is_warming_up() tells the script).",
+                shard[0] + 1,
+                shard[1],
+            )
+    _checked, _shard = True, shard
+    return shard
 
 
 def current() -> Session | None:
@@ -107,7 +162,7 @@ def current() -> Session | None:
     with _lock:
         if _session is None and not _from_env_read:
             _from_env_read = True
-            shard = settings.get("precompile")
+            shard = _shard_from_environment()
             if shard is not None:
                 _session = Session(
                     *shard, settings.get("precompile_progress") or None, settings.get("precompile_scratch") or None
@@ -116,8 +171,9 @@ def current() -> Session | None:
 
 
 def requested() -> bool:
-    """Whether the environment asks for a warm-up (read without raising: the plugin's hook calls this)."""
-    return settings.get_quietly("precompile") is not None
+    """Whether ``accelerate-neuron precompile`` started this process as a warm-up worker (never raises)."""
+    with _lock:
+        return _shard_from_environment() is not None
 
 
 @contextlib.contextmanager

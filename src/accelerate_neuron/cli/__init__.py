@@ -1,5 +1,5 @@
 """The ``accelerate-neuron`` command: ``env`` (check the setup), ``simulate`` (dry run), ``demo`` (the main job),
-``precompile`` (fill the NEFF cache ahead of a job)."""
+``precompile`` (fill the NEFF cache ahead of a job), ``cache`` (the local and remote compile caches)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ EPILOG = "Run `accelerate-neuron COMMAND --help` for a command's options."
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
-    from . import demo, env, precompile, simulate
+    from . import cache, demo, env, precompile, simulate
 
     parser = ArgumentParser(
         prog="accelerate-neuron",
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_parser(subparsers)
     simulate.add_parser(subparsers)
     precompile.add_parser(subparsers)
+    cache.add_parser(subparsers)
     return parser
 
 

@@ -267,6 +267,20 @@ def compile_cache(facts: Facts) -> list[Problem]:
                 "point TORCH_NEURONX_NEFF_CACHE_DIR at an empty folder (or unset it for the simulator's own)",
             )
         )
+    out += [
+        _problem("warning", error, "fix the value or unset the variable: it is part of every compile cache key")
+        for error in cache.get("key_input_errors", [])
+    ]
+    remote = cache.get("remote") or {}
+    if remote.get("missing_package"):
+        out.append(
+            _problem(
+                "error",
+                f"the remote compile cache {remote['url']} needs the {remote['missing_package']} package, which is "
+                "not installed: jobs run without the remote",
+                f"pip install {remote['missing_package']}",
+            )
+        )
     return out
 
 

@@ -400,6 +400,19 @@ def host_op_graphs(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"graphs": graphs, "ops": [{"op": op, "graphs": n} for op, n in sorted(ops.items())]}
 
 
+def moe_shapes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The MoE experts' call shapes of every process (``moe_accounting``), merged: calls summed, compiled if any was."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for record in records:
+        for shape in (record.get("moe") or {}).get("shapes", []):
+            key = tuple(shape.get(k) for k in ("implementation", "tokens", "top_k", "experts", "rows"))
+            entry = merged.setdefault(key, {**shape, "calls": 0, "compiled": False, "processes": 0})
+            entry["calls"] += int(shape.get("calls", 0))
+            entry["compiled"] = entry["compiled"] or bool(shape.get("compiled"))
+            entry["processes"] += 1
+    return sorted(merged.values(), key=lambda s: (-float(s.get("ratio") or 0), str(s.get("implementation"))))
+
+
 def _backend(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The backend's own compile figures, summed over the processes that report them."""
     backends = [r.get("backend") or {} for r in records]
@@ -521,6 +534,7 @@ def build_report(
         "padding": _padding(active),
         "cpu_fallbacks": _cpu_fallbacks(active),
         "host_op_graphs": host_op_graphs(active),
+        "moe": moe_shapes(active),
         "backend": _backend(active),
         "estimate": estimate,
         "graph_breaks": _graph_breaks(active),

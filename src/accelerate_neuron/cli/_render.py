@@ -209,6 +209,40 @@ def _padding(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: Experts' FLOPs over a sparse dispatch's above which the report suggests the blockwise experts.
+MOE_RATIO_HINT = 2.0
+
+
+def _moe(report: dict[str, Any]) -> list[str]:
+    shapes = report.get("moe") or []
+    if not shapes:
+        return []
+    lines = _section(
+        "MoE experts: FLOPs per token against a sparse dispatch (each token through its top-k experts only), "
+        "per call shape"
+    )
+    for shape in shapes:
+        seen = ", ".join(
+            part
+            for part in (
+                "compiled" if shape.get("compiled") else "",
+                plural(shape["calls"], "eager call") if shape.get("calls") else "",
+            )
+            if part
+        )
+        lines.append(
+            f"  {shape['implementation']:<18} {shape['tokens']} tokens x top-{shape['top_k']} of "
+            f"{shape['experts']} experts: {shape['ratio']:.2f}x ({shape['flops_per_token']:,.0f} FLOPs per token, "
+            f"sparse {shape['sparse_flops_per_token']:,.0f}; {seen})"
+        )
+    if any(float(s["ratio"]) > MOE_RATIO_HINT for s in shapes):
+        lines.append(
+            "  Above 2x: dense experts (every expert on every token). ACCELERATE_NEURON_MOE_EXPERTS=auto runs "
+            "prefill and training blockwise (see ACCELERATE_NEURON_MOE_BLOCK_SIZE)."
+        )
+    return lines
+
+
 def _backend_line(report: dict[str, Any]) -> list[str]:
     backend = report.get("backend") or {}
     parts = []
@@ -271,12 +305,6 @@ def render_dryrun(report: dict[str, Any]) -> str:
         f"Transfers: host->device {size(report['h2d_bytes'])}, device->host {size(report['d2h_bytes'])}, "
         f"device->device {size(report['d2d_bytes'])}"
     )
-    lines += (
-        _padding(report)
-        + _fallbacks(report)
-        + _host_op_graphs(report)
-        + _causes(report)
-        + _breaks(report)
-        + _estimate(report)
-    )
+    lines += _padding(report) + _fallbacks(report) + _host_op_graphs(report) + _moe(report) + _causes(report)
+    lines += _breaks(report) + _estimate(report)
     return "\n".join(lines)

@@ -238,7 +238,34 @@ def _cache(kind: str | None) -> dict[str, Any]:
             "simulated": False,
         }
     cache["setting_errors"] = neff_cache.setting_errors()
+    cache.update(_fleet(kind))
     return cache
+
+
+def _fleet(kind: str | None) -> dict[str, Any]:
+    """The key inputs of this host (what else than the graph a compile cache key holds) and the remote cache."""
+    from .. import settings
+    from ..compile_cache import keys
+
+    simulated = kind != "real"
+    inputs = keys.key_inputs(simulated)
+    out: dict[str, Any] = {
+        "key_inputs": {**inputs, "fingerprint": keys.fingerprint(inputs)},
+        "key_input_errors": keys.problems(simulated),
+        "remote": None,
+    }
+    try:
+        url = settings.get("remote_cache")
+    except ValueError:  # reported with the other settings
+        return out
+    if url is not None:
+        out["remote"] = {
+            "url": url.shown,
+            "read_only": settings.get_quietly("remote_cache_read_only"),
+            "missing_package": url.missing_package(),
+            "namespace": f"{'simulated' if simulated else 'neff'}/{out['key_inputs']['fingerprint']}",
+        }
+    return out
 
 
 def _cache_lines(cache: dict[str, Any]) -> list[str]:
@@ -259,6 +286,20 @@ def _cache_lines(cache: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {'':<30} not torch-neuronx's {REAL_DEFAULT_DIR}: a simulated run never writes into a real cache"
         )
+    inputs = cache.get("key_inputs") or {}
+    if inputs:
+        flags = inputs["neuron_cc_flags"] or "none"
+        lines.append(
+            f"  {'key inputs':<30} {inputs['compiler']}, target {inputs['target']}, LNC {inputs['lnc']}, "
+            f"NEURON_CC_FLAGS {flags} (fingerprint {inputs['fingerprint']})"
+        )
+    remote = cache.get("remote")
+    if remote:
+        mode = "read-only" if remote["read_only"] else "read-write"
+        missing = f"; needs `pip install {remote['missing_package']}`" if remote["missing_package"] else ""
+        lines.append(f"  {'remote cache':<30} {remote['url']} ({mode}, entries under {remote['namespace']}{missing})")
+    else:
+        lines.append(f"  {'remote cache':<30} none (ACCELERATE_NEURON_REMOTE_CACHE shares compiles across a fleet)")
     if cache.get("simulator_build_cache"):
         lines.append(f"  {'simulator build cache':<30} {cache['simulator_build_cache']}")
     return lines

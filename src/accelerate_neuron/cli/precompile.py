@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .. import costs, settings
+from .. import costs, precompile_token, settings
+from ..compile_cache import keys
 from ._children import Terminated, Tree, sigterm_raises
 from ._common import (
     CliError,
@@ -45,6 +46,9 @@ real, so the real run finds them all in the NEFF cache:
     per length bucket the dataloaders reach, weights restored afterwards;
     evaluate() / predict() likewise; nothing is written to the output folder.
 
+Everything else CMD does happens: a file it writes its results to gets the
+stand-ins (guard it with accelerate_neuron.is_warming_up()).
+
 --jobs N runs N copies of CMD; each compiles every N-th shape (in the order the
 script meets them), so CMD must meet the same shapes in the same order every
 time (fixed prompts, a seeded dataset). Shapes already in the cache are loaded,
@@ -59,7 +63,12 @@ its own 1/N of the visible cores and its own rendezvous port.
 
 Without Trainium, CMD runs on the simulated Neuron device and fills the
 simulated NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR); on a Trainium host it runs
-on the real device and torch-neuronx fills its own cache."""
+on the real device and torch-neuronx fills its own cache. --target names the
+chip the entries are for (trn1, trn2, trn3: part of every cache key). With a
+remote cache (ACCELERATE_NEURON_REMOTE_CACHE), graphs another host compiled are
+fetched instead of compiled, and what the workers compile is published for
+the fleet; --manifest FILE lists the entries the job needs, for
+`accelerate-neuron cache pull --manifest FILE` on the hosts that run it."""
 
 EPILOG = """\
 examples:
@@ -68,6 +77,8 @@ examples:
   accelerate-neuron precompile --json -- python serve.py > precompile.json
   accelerate-neuron precompile -- torchrun --nproc_per_node 2 train.py
   accelerate-neuron precompile -- accelerate launch train.py
+  ACCELERATE_NEURON_REMOTE_CACHE=s3://bucket/neff \
+    accelerate-neuron precompile --target trn2 --manifest job.json -- python train.py
 
 CMD's output is kept out of the way (shown if a worker fails). The exit code is
 0 when every worker succeeded, else the first failing worker's. SIGTERM or
@@ -104,6 +115,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"workers compiling in parallel (default: the CPUs available, at most 8, here {default_jobs()}; "
         "1 when CMD is a launcher)",
     )
+    p.add_argument(
+        "--target",
+        choices=keys.TARGETS,
+        help=f"the chip the entries are compiled for (sets {keys.TARGET_ENV}; default: this host's, trn2 when "
+        "simulated)",
+    )
+    p.add_argument(
+        "--manifest",
+        metavar="FILE",
+        help="write the entries the job needs (keys and key inputs) to FILE, for `accelerate-neuron cache pull`",
+    )
     add_device_options(p, cores=DEFAULT_CORES, cores_help="simulated NeuronCores per worker when there is no Trainium")
     add_cost_options(p)
     add_json_option(p, "the summary")
@@ -126,6 +148,8 @@ class Progress:
     found: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
     by_shard: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
     done: dict[tuple[int, int, str, int], float] = field(default_factory=dict)
+    #: Each process's latest graph lookups by outcome (compiled / remote / disk / memory), from its done events.
+    lookups: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     bar: Any = None
     stream: TextIO = sys.stderr
@@ -158,6 +182,8 @@ class Progress:
             self.by_shard.setdefault(shard, []).append((rank, index, json.dumps([kind, event.get("shape")])))
         elif event.get("event") == "done" and isinstance(index, int):
             self.done[(shard, rank, kind, index)] = float(event.get("seconds", 0.0))
+            if isinstance(event.get("lookups"), dict):
+                self.lookups[(shard, rank)] = {str(k): int(v) for k, v in event["lookups"].items()}
 
     def shapes(self) -> dict[str, dict[str, Any]]:
         """Distinct shapes met by any rank of any worker (ranks meeting one shape share its graphs)."""
@@ -179,19 +205,41 @@ class Progress:
         warmed = self.warmed()
         return sum(int(e.get("graphs", 1)) for sig, e in self.shapes().items() if sig not in warmed)
 
+    def graphs(self) -> dict[str, int]:
+        """Graphs compiled and fetched from the remote cache so far, over every process (simulated device)."""
+        total = {"compiled": 0, "fetched": 0, "loaded": 0}
+        for counts in self.lookups.values():
+            total["compiled"] += counts.get("compiled", 0)
+            total["fetched"] += counts.get("remote", 0)
+            total["loaded"] += counts.get("disk", 0)
+        return total
+
     def eta(self) -> str:
         """Compile time left on Trainium by the cost model (cold: every pending graph compiled), over the workers."""
         return duration(self.pending_graphs() * self.seconds_per_graph / self.jobs)
 
     def show(self) -> None:
         total, finished = len(self.shapes()), len(self.warmed())
+        graphs = self.graphs()
+        done = (
+            f"graphs {graphs['compiled']} compiled, {graphs['fetched']} fetched, {graphs['loaded']} loaded, "
+            f"~{self.pending_graphs()} remaining; "
+            if self.lookups
+            else ""
+        )
         text = (
-            f"{finished}/{total} shapes warmed; Trainium compile left ~{self.eta()} (cost model, {self.jobs} worker(s))"
+            f"{finished}/{total} shapes warmed; {done}Trainium compile left ~{self.eta()} (cost model, "
+            f"{self.jobs} worker(s))"
         )
         if self.bar is not None:
             self.bar.total = max(total, 1)
             self.bar.n = finished
-            self.bar.set_postfix_str(f"ETA on Trainium ~{self.eta()}", refresh=False)
+            graphs = self.graphs()
+            self.bar.set_postfix_str(
+                f"{graphs['compiled']} compiled, {graphs['fetched']} fetched, ~{self.pending_graphs()} left; "
+                f"ETA on Trainium ~{self.eta()}",
+                refresh=False,
+            )
             self.bar.refresh()
         elif text != self.last_line and finished:
             print(f"accelerate-neuron: {text}", file=self.stream, flush=True)
@@ -288,13 +336,22 @@ def _launch_command(command: list[str], kind: str | None, jobs: int) -> list[str
 
 
 def _worker_env(
-    args: argparse.Namespace, shard: int, jobs: int, folder: Path, simulated: bool, cores: str | None = None
+    args: argparse.Namespace,
+    shard: int,
+    jobs: int,
+    folder: Path,
+    simulated: bool,
+    cores: str | None = None,
+    token: str = "",
 ) -> dict[str, str]:
     env = dict(os.environ)
     env[settings.env_name("precompile")] = f"{shard}/{jobs}"
+    env[settings.env_name("precompile_token")] = token  # without it a worker runs for real
     env[settings.env_name("precompile_progress")] = str(folder / "progress.jsonl")
     env[settings.env_name("precompile_scratch")] = str(folder / "scratch")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if args.target:
+        env[keys.TARGET_ENV] = args.target
     if simulated:
         env[settings.env_name("simulate")] = str(args.cores)
         env[settings.env_name("sim_hbm")] = args.hbm
@@ -366,21 +423,56 @@ def _simulated_counts(records_dir: Path) -> dict[str, Any] | None:
     if not records:
         return None
     keys: dict[str, str] = {}
-    out = {"graphs_compiled": 0, "graphs_cached": 0, "eager_compiled": 0, "eager_cached": 0}
+    out = {"graphs_compiled": 0, "graphs_cached": 0, "graphs_fetched": 0, "eager_compiled": 0, "eager_cached": 0}
+    signatures: set[str] = set()
     for record in records:
         st = record.get("stats", {})
         out["graphs_compiled"] += int(st.get("compiles", 0))
         out["graphs_cached"] += int(st.get("compile_cache_hits", 0))
         out["eager_compiled"] += int(st.get("eager_compiles", 0))
         out["eager_cached"] += int(st.get("eager_cache_hits", 0))
+        signatures.update(st.get("eager_signature_list", []))
         for graph in st.get("graphs", []):
+            out["graphs_fetched"] += graph.get("cache_source") == "remote"
             key = graph.get("cache_key")
             if key:
                 keys[key] = "compiled" if graph.get("cache") == "miss" or keys.get(key) == "compiled" else "cached"
     out["graph_keys"] = sorted(keys)
     out["distinct_graphs"] = len(keys)
     out["compile_cache"] = next((r["stats"].get("compile_cache") for r in records if "stats" in r), None)
+    out["eager_signature_list"] = sorted(signatures)
     return out
+
+
+def cache_manifest(counts: dict[str, Any] | None, env: dict[str, str], added: list[str]) -> dict[str, Any]:
+    """The entries the job needs, as ``accelerate-neuron cache pull --manifest`` reads them.
+
+    Simulated: every graph and eager op the workers looked up (compiled or found), keyed as the workers keyed
+    them (their environment: --target included). Real: the NEFFs torch-neuronx added to its cache meanwhile
+    (its keys are its own; a NEFF that was already cached is not listed).
+    """
+    simulated = counts is not None
+    saved = {k: os.environ.get(k) for k in (keys.TARGET_ENV, keys.FLAGS_ENV, keys.LNC_ENV)}
+    try:  # the key inputs as the workers saw them
+        for name in saved:
+            if env.get(name) is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = env[name]
+        inputs = keys.key_inputs(simulated)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    if simulated:
+        from ..simulator import graph_key
+
+        entries = list(counts["graph_keys"]) + [graph_key.eager_key(s, inputs) for s in counts["eager_signature_list"]]
+    else:
+        entries = added
+    return {"format": 1, "kind": "simulated" if simulated else "neff", "key_inputs": inputs, "entries": entries}
 
 
 def summarize(
@@ -406,7 +498,7 @@ def summarize(
         paid = costs.estimate(
             counts["graphs_compiled"], counts["eager_compiled"], args.compile_seconds, args.eager_seconds
         )
-        summary.update(counts)
+        summary.update({k: v for k, v in counts.items() if k != "eager_signature_list"})
         summary["estimate"] = paid
     return summary
 
@@ -421,7 +513,8 @@ def render(summary: dict[str, Any]) -> str:
         est = summary["estimate"]
         lines += [
             f"  graphs: {summary['graphs_compiled']} compiled now, {summary['graphs_cached']} already cached "
-            f"({summary['distinct_graphs']} distinct)",
+            f"({summary['graphs_fetched']} of them fetched from the remote cache; {summary['distinct_graphs']} "
+            "distinct)",
             f"  eager signatures: {summary['eager_compiled']} compiled now, {summary['eager_cached']} already cached",
             f"  estimated Trainium compile time paid now: ~{duration(est['seconds'])}, which the real run saves "
             f"({costs.describe(est)})",
@@ -429,12 +522,38 @@ def render(summary: dict[str, Any]) -> str:
         cache = summary.get("compile_cache") or {}
         if cache.get("dir"):
             lines.append(f"  simulated NEFF cache: {cache['dir']} (TORCH_NEURONX_NEFF_CACHE_DIR moves it)")
+        if cache.get("remote"):
+            remote = cache["remote"]
+            state = (
+                f"down: {remote['down']}"
+                if remote.get("down")
+                else "read-only"
+                if remote["read_only"]
+                else "read-write"
+            )
+            lines.append(f"  remote cache: {remote['url']} ({state}; the workers publish what they compiled at exit)")
     else:
         lines.append("  compiled by torch-neuronx into its own NEFF cache (TORCH_NEURONX_NEFF_CACHE_DIR)")
     for failed in summary["failed_workers"]:
         lines.append(f"  worker {failed} FAILED (exit code {summary['exit_codes'][failed]})")
+    manifest = summary.get("cache_manifest")
+    if manifest is not None:
+        inputs = manifest["key_inputs"]
+        lines.append(
+            f"  cache manifest: {len(manifest['entries'])} entries for target {inputs['target']}, LNC {inputs['lnc']}"
+            + (f", NEURON_CC_FLAGS {inputs['neuron_cc_flags']!r}" if inputs["neuron_cc_flags"] else "")
+            + (f" (written to {summary['manifest_file']})" if summary.get("manifest_file") else "")
+        )
     lines += [f"  warning: {w}" for w in summary["warnings"]]
     return "\n".join(lines)
+
+
+def _real_entries() -> set[str]:
+    """The keys in torch-neuronx's NEFF cache folder (to list what a precompile on Trainium added)."""
+    from ..simulator import neff_cache
+
+    root = Path(os.environ.get(neff_cache.CACHE_DIR_ENV, "").strip() or neff_cache.REAL_DEFAULT_DIR)
+    return {p.stem for p in root.glob("??/??/*.neff") if not p.is_symlink()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -445,13 +564,26 @@ def run(args: argparse.Namespace) -> int:
     # A launch already runs one process per core; a second launch at once needs as many cores again.
     jobs = args.jobs or (1 if kind else default_jobs())
     simulated = device.kind() != "real"
+    if simulated and device.torch_neuronx_installed():
+        from ..simulator import _real_torch_neuronx_present
+
+        if _real_torch_neuronx_present():
+            # A real torch-neuronx without a device: its compile-only mode is the path, but no documented switch
+            # for it is known here (see docs/compile-cache.md), and the simulator never shadows a real backend.
+            raise CliError(
+                "this host has a real torch-neuronx but no Neuron device: precompiling through torch-neuronx's "
+                "compile-only mode is not supported yet, and the simulator does not run beside a real torch-neuronx. "
+                "Run precompile in an environment without torch-neuronx (simulated entries), or on Trainium."
+            )
+    before = set() if simulated else _real_entries()
     shares: list[str | None] = [None] * jobs
     if kind and jobs > 1:
         shares = list(_worker_cores(jobs, args.cores if simulated else device.device_count()))
         command = _launch_command(command, kind, jobs)
     with tempfile.TemporaryDirectory(prefix="accelerate-neuron-precompile-") as tmp:
         folder = Path(tmp)
-        (folder / "scratch").mkdir()
+        (folder / "scratch").mkdir(mode=0o700)
+        token = precompile_token.write(folder / "scratch")  # the proof a worker checks; gone when the run ends
         progress = Progress(folder / "progress.jsonl", jobs, args.compile_seconds)
         progress.bar = None if args.json else _bar(sys.stderr)
         started = time.perf_counter()
@@ -460,7 +592,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with sigterm_raises():
                 for shard in range(jobs):
-                    env = _worker_env(args, shard, jobs, folder, simulated, shares[shard])
+                    env = _worker_env(args, shard, jobs, folder, simulated, shares[shard], token)
                     workers.append(_start(command, env, shard, folder))
                     tree.add(workers[-1].proc)
                 _wait(workers, tree, progress)
@@ -474,6 +606,14 @@ def run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - started
         counts = _simulated_counts(folder / "records") if simulated else None
         summary = summarize(progress, workers, counts, wall, args)
+        added = [] if simulated else sorted(_real_entries() - before)
+        if counts is not None or not simulated:
+            summary["cache_manifest"] = cache_manifest(counts, _worker_env(args, 0, 1, folder, simulated), added)
+            if args.manifest:
+                from ..files import write_atomically
+
+                write_atomically(args.manifest, json.dumps(summary["cache_manifest"], sort_keys=True) + "\n")
+                summary["manifest_file"] = args.manifest
         failures = [(w, _tail(w.log)) for w in workers if w.code]
     for w, tail in failures:
         print(

@@ -175,9 +175,13 @@ def _signatures() -> list[str]:
 
     lib = get_state().lib
     size = lib.nsim_signatures(None, 0)
-    buf = bytes(size)
-    lib.nsim_signatures(buf, size)
-    return [s for s in buf.decode().split("\n") if s]
+    while True:
+        buf = bytes(size)
+        # Another thread may run new ops between the two calls: the copy is made only if it fits.
+        needed = lib.nsim_signatures(buf, size)
+        if needed <= size:
+            return [s for s in buf[:needed].decode().split("\n") if s]
+        size = needed
 
 
 def stats() -> dict[str, Any]:

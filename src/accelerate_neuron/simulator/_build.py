@@ -13,6 +13,13 @@ The C++ standard is the one the installed torch's headers compile under (torch
 them, newest standard first, and remembered per (torch, compiler) beside the
 builds. torch's ``cpp_extension`` hard-codes its flag and offers no function
 that says it, so asking the compiler is the one answer that holds for every torch.
+
+A library is loaded only after it proves to be the one this user built: its folder is the user's own
+(never one another user can write, nor one shared on purpose), and the file, opened without following
+links and checked on that descriptor, has the size and SHA-256 recorded beside it when it was built
+(written to disk with fsync before the rename that publishes it). The descriptor that was checked is
+the one loaded (``/proc/self/fd/N``), so nothing can swap the file in between. A library that fails
+the check (truncated by a host preempted mid-write, overwritten) is rebuilt, never loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
@@ -32,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import settings
+from .. import files, logs, settings, trust
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +48,11 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("runtime.cpp", "kernels.cpp", "autocast.cpp")
 _HEADERS = ("sim.h",)
 _LIB_NAME = "libneuron_sim.so"
+#: Beside each library: its size and SHA-256, written when it was built and checked before every load.
+_RECORD_NAME = "libneuron_sim.json"
+#: Far above the library (under 1 MiB; the ASan flavour a few MiB): anything larger is not ours.
+_MAX_LIBRARY_BYTES = 256 * 2**20
+_MISSING = "missing"
 #: Tried newest first: the first one the compiler accepts and torch's headers compile under is used.
 CXX_STANDARDS = ("c++20", "c++17")
 #: What the probe compiles: the headers every simulator source includes.
@@ -72,8 +85,41 @@ class SimulatorBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Where compiled simulator libraries are kept (the ``cache_dir`` setting)."""
-    return settings.cache_dir()
+    """Where compiled simulator libraries are kept: the ``cache_dir`` setting when it is the user's own.
+
+    A folder another user owns or may write, or one shared on purpose (``ACCELERATE_NEURON_SHARED_CACHE_DIRS``),
+    never holds a library this process loads: the user's own default folder is used instead (once said why).
+    Raises :class:`SimulatorBuildError` when neither can be used.
+    """
+    chosen = settings.cache_dir()
+    shared = trust.is_shared(chosen)
+    if shared:
+        reason = f"{chosen} is shared on purpose ({trust.SHARED_ENV}), and no library is loaded from a shared folder"
+    else:
+        reason = trust.check_folder(chosen, shared=False)
+        if reason is None:
+            return chosen
+    fallback = settings.default_cache_dir()
+    fallback_reason = reason if fallback == chosen else trust.check_folder(fallback, shared=False)
+    if fallback_reason is None and trust.is_shared(fallback):
+        fallback_reason = f"{fallback} is shared on purpose ({trust.SHARED_ENV})"
+    if fallback_reason is not None:
+        raise SimulatorBuildError(
+            f"no private folder for the simulated device's library: {reason}; {fallback_reason}. Set "
+            f"{settings.env_name('cache_dir')} to a folder of your own (mode 0700)."
+        )
+    if shared:
+        logs.once(
+            logger,
+            ("build.shared", str(chosen)),
+            "accelerate_neuron: %s: it is built in %s",
+            reason,
+            fallback,
+            level=logging.INFO,
+        )
+    else:
+        trust.warn_refused(reason, f"the simulated device's library is built and loaded from {fallback} instead")
+    return fallback
 
 
 def _compiler() -> str:
@@ -124,8 +170,8 @@ def cxx_standard(compiler: str, include_flags: list[str], cache_file: Path | Non
     """
     if cache_file is not None:
         try:
-            cached = cache_file.read_text().strip()
-        except OSError:
+            cached = trust.read_file(cache_file, limit=64).decode(errors="replace").strip()
+        except OSError:  # absent, or not this user's regular file: asked again, and rewritten
             cached = ""
         if cached in CXX_STANDARDS:
             return cached
@@ -135,10 +181,8 @@ def cxx_standard(compiler: str, include_flags: list[str], cache_file: Path | Non
         proc = _run([compiler, f"-std={std}", "-fsyntax-only", "-w", *include_flags], _PROBE_SOURCE)
         if proc.returncode == 0:
             if cache_file is not None:
-                cache_file.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(std + "\n")
-                os.replace(tmp, cache_file)
+                files.make_folders(cache_file.parent)
+                files.write_atomically(cache_file, std + "\n")
             return std
         failures[std] = proc.stderr.strip()[:1500]  # the first error says why; the rest follows from it
     version = _compiler_version(compiler)
@@ -180,6 +224,7 @@ def _build_key(torch_mod, compiler: str) -> str:
 
 
 def _compile(torch_mod, compiler: str, out: Path) -> None:
+    """Build the library into ``out``, durably, with its size and SHA-256 recorded beside it."""
     from torch.utils import cpp_extension
 
     include_flags = [f"-I{p}" for p in cpp_extension.include_paths()]
@@ -223,42 +268,119 @@ def _compile(torch_mod, compiler: str, out: Path) -> None:
         proc = subprocess.run(link, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SimulatorBuildError(f"linking the simulator failed:\n{proc.stderr[-4000:]}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copy(work / _LIB_NAME, tmp)
-        os.replace(tmp, out)
+        _publish(work / _LIB_NAME, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def library_path(torch_mod) -> Path:
-    """Path of the compiled library for this torch, building it when missing."""
-    compiler = _compiler()
-    key = _build_key(torch_mod, compiler)
+def _publish(built: Path, out: Path) -> None:
+    """Copy ``built`` to ``out`` (fsync, then rename), then record its size and SHA-256 beside it."""
+    digest = hashlib.sha256()
+    size = 0
+    with files.replacing(out) as tmp:
+        with open(built, "rb") as src, open(tmp, "r+b") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+                size += len(chunk)
+    record = {"file": _LIB_NAME, "size": size, "sha256": digest.hexdigest()}
+    files.write_atomically(out.with_name(_RECORD_NAME), json.dumps(record, indent=1) + "\n")
+
+
+def _open_checked(folder: Path) -> tuple[int | None, str]:
+    """(descriptor of the library in ``folder``, "") when it matches its record, else (None, why not)."""
+    library = folder / _LIB_NAME
+    try:
+        record = json.loads(trust.read_file(folder / _RECORD_NAME, limit=4096))
+        size, sha256 = int(record["size"]), str(record["sha256"])
+    except FileNotFoundError:
+        if not os.path.lexists(library):
+            return None, _MISSING
+        return None, f"it has no {_RECORD_NAME} (its size and SHA-256): an interrupted build, or an older release's"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"its record is unusable ({exc})"
+    try:
+        fd, st = trust.open_file(library, limit=_MAX_LIBRARY_BYTES)
+    except FileNotFoundError:
+        return None, _MISSING
+    except OSError as exc:
+        return None, str(exc)
+    if st.st_size != size:
+        os.close(fd)
+        return None, f"{st.st_size} bytes where {size} were built (truncated or overwritten)"
+    digest = hashlib.sha256()
+    while chunk := os.read(fd, 1 << 20):
+        digest.update(chunk)
+    if digest.hexdigest() != sha256:
+        os.close(fd)
+        return None, "its SHA-256 differs from the one recorded when it was built (overwritten or damaged)"
+    return fd, ""
+
+
+def _library_folder(torch_mod, compiler: str) -> Path:
     flavour = "-asan" if asan_enabled() else ""
-    target = cache_dir() / f"sim-{torch_mod.__version__}{flavour}-{key}" / _LIB_NAME
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".lock", "w") as lock:
+    return cache_dir() / f"sim-{torch_mod.__version__}{flavour}-{_build_key(torch_mod, compiler)}"
+
+
+def checked_library(torch_mod) -> tuple[int, Path]:
+    """A descriptor of this torch's library, checked against its record (built or rebuilt when needed), and its path.
+
+    The caller closes the descriptor.
+    """
+    compiler = _compiler()
+    folder = _library_folder(torch_mod, compiler)
+    target = folder / _LIB_NAME
+    fd, why = _open_checked(folder)
+    if fd is not None:
+        return fd, target
+    reason = trust.check_folder(folder, shared=False)
+    if reason is not None:
+        raise SimulatorBuildError(f"cannot use {folder} for the simulated device's library: {reason}")
+    try:
+        lock = trust.open_lock(folder / ".lock")
+    except OSError as exc:
+        raise SimulatorBuildError(f"cannot take the build lock of the simulated device: {exc}") from None
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.exists():
-            started = time.monotonic()
-            sys.stderr.write(
-                f"accelerate-neuron: building the simulated Neuron device for torch "
-                f"{torch_mod.__version__} (first use only, about 20 s)...\n"
-            )
-            sys.stderr.flush()
-            _compile(torch_mod, compiler, target)
-            logger.info("built %s in %.1f s", target, time.monotonic() - started)
-    return target
+        fd, why = _open_checked(folder)  # another process may have built it while this one waited
+        if fd is not None:
+            return fd, target
+        started = time.monotonic()
+        if why == _MISSING:
+            note = "building the simulated Neuron device for torch {} (first use only, about 20 s)..."
+        else:
+            note = f"the simulated device's library {target} fails its check ({why}): rebuilding it for torch {{}}..."
+        sys.stderr.write(f"accelerate-neuron: {note.format(torch_mod.__version__)}\n")
+        sys.stderr.flush()
+        _compile(torch_mod, compiler, target)
+        logger.info("built %s in %.1f s", target, time.monotonic() - started)
+        fd, why = _open_checked(folder)
+        if fd is None:
+            raise SimulatorBuildError(f"the simulated device's library just built in {folder} fails its check: {why}")
+        return fd, target
+    finally:
+        os.close(lock)
+
+
+def library_path(torch_mod) -> Path:
+    """Path of the checked library for this torch, building it when missing or failing its check."""
+    fd, path = checked_library(torch_mod)
+    os.close(fd)
+    return path
 
 
 def load(torch_mod) -> ctypes.CDLL:
-    """Load the native library into this process (registers the kernels)."""
-    path = library_path(torch_mod)
-    torch_mod.ops.load_library(str(path))
-    lib = ctypes.CDLL(str(path))
+    """Load the native library into this process (registers the kernels): the very file that passed the check."""
+    fd, path = checked_library(torch_mod)
+    try:
+        # The descriptor, not the name: what was checked is what is loaded. (torch.ops.load_library would
+        # resolve the name first; its only extra is RTLD_GLOBAL, given here.)
+        by_descriptor = f"/proc/self/fd/{fd}"
+        name = by_descriptor if os.path.exists(by_descriptor) else str(path)
+        lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+    finally:
+        os.close(fd)
+    torch_mod.ops.loaded_libraries.add(str(path))
     _declare(lib)
     return lib
 

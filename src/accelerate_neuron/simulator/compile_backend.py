@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..compile_cache import keys, outcomes
 from . import graph_key, neff_cache
 from .runtime import state
 
@@ -99,13 +100,19 @@ def _through_cache(
         record.update(cache=neff_cache.MISS, cache_source="unkeyed", cache_key=None)
         return
     summary = {"what": "graph", **{k: record[k] for k in ("kind", "inputs", "num_nodes", "frame")}}
+    made_by = outcomes.labels()
+    if made_by:
+        summary["made_by"] = made_by
     try:
-        lookup = neff_cache.current().get_or_compile(key, lambda: {**summary, **graph_key.versions()})
+        lookup = neff_cache.current().get_or_compile(
+            key, lambda: {**summary, **graph_key.versions(), "key_inputs": keys.key_inputs(simulated=True)}
+        )
     except Exception as exc:  # the cache is an optimisation: a failure in it never stops the user's graph
         logger.warning("accelerate_neuron: NEFF cache lookup failed (%s); the graph counts as compiled", exc)
         record.update(cache=neff_cache.MISS, cache_source="error", cache_key=key)
         return
     record.update(cache=lookup.status, cache_source=lookup.source, cache_key=key)
+    outcomes.record(lookup.source)
 
 
 def _has_collectives(gm: torch.fx.GraphModule) -> bool:

@@ -20,7 +20,9 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
+from ..compile_cache import keys as compile_keys
 from . import graph_key, neff_cache
 
 logger = logging.getLogger(__name__)
@@ -55,13 +57,18 @@ def settle(signatures: Iterable[str]) -> tuple[int, int]:
     return hits, len(wanted) - hits
 
 
-def _entries(keys: dict[str, str]) -> dict[str, Callable[[], dict[str, str]]]:
+def _entries(keys: dict[str, str]) -> dict[str, Callable[[], dict[str, Any]]]:
     """What each new eager entry records: the signature (its key's preimage) and the versions."""
     return {key: functools.partial(_entry, sig) for key, sig in keys.items()}
 
 
-def _entry(signature: str) -> dict[str, str]:
-    return {"what": "eager", "signature": signature, **graph_key.versions()}
+def _entry(signature: str) -> dict[str, Any]:
+    return {
+        "what": "eager",
+        "signature": signature,
+        **graph_key.versions(),
+        "key_inputs": compile_keys.key_inputs(simulated=True),
+    }
 
 
 def forget() -> None:
@@ -83,5 +90,11 @@ def settle_at_exit(read_signatures: Callable[[], list[str]]) -> None:
             settle(read_signatures())
         except Exception as exc:  # at exit nothing may raise into the interpreter's shutdown
             logger.debug("accelerate_neuron: eager signatures not settled at exit: %s", exc)
+        try:  # what settling compiled goes to the remote tier too (its own exit hook may have run already)
+            from ..compile_cache import tier
+
+            tier.flush_all()
+        except Exception as exc:
+            logger.debug("accelerate_neuron: remote compile cache not flushed at exit: %s", exc)
 
     atexit.register(_at_exit)

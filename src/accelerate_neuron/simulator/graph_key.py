@@ -6,8 +6,10 @@ is salted per process, and ``gm.code`` carries node names and source comments; t
 here is a SHA-256 (first 128 bits, 32 hex digits as torch-neuronx's) of a canonical JSON
 description instead: each node's op, target and arguments (nodes by position, devices by
 type: a NEFF is loaded on whichever core runs it), the inputs' shapes, dtypes and strides,
-the values of tensor constants, the backend options, and the torch and accelerate-neuron
-versions. Weights are graph inputs (AOTAutograd lifts them), so the same code run for two
+the values of tensor constants, the backend options, the torch and accelerate-neuron
+versions, and the key inputs a real NEFF depends on besides its graph (compiler, ``NEURON_CC_FLAGS``,
+target, LNC: :mod:`accelerate_neuron.compile_cache.keys`), so a changed flag or target misses as it
+must on Neuron. Weights are graph inputs (AOTAutograd lifts them), so the same code run for two
 modules of the same shapes is one key, as it is one HLO.
 """
 
@@ -22,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from ..compile_cache import keys
 
 #: Bumped when the description changes, so older entries stop matching.
 KEY_FORMAT = 1
@@ -165,10 +169,13 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, kind: 
             "inputs": describe_inputs(example_inputs),
             "options": _canon(dict(options), {}),
             "versions": versions(),
+            "compiler": keys.key_inputs(simulated=True),
         }
     )
 
 
-def eager_key(signature: str) -> str:
-    """The cache key of one eager op signature, e.g. ``aten::mm(f32[4,4], f32[4,4])``."""
-    return digest({"what": "eager", "signature": signature, "versions": versions()})
+def eager_key(signature: str, inputs: Mapping[str, Any] | None = None) -> str:
+    """The cache key of one eager op signature, e.g. ``aten::mm(f32[4,4], f32[4,4])`` (``inputs``: the key inputs
+    it was compiled with, default this process's)."""
+    compiler = dict(inputs) if inputs is not None else keys.key_inputs(simulated=True)
+    return digest({"what": "eager", "signature": signature, "versions": versions(), "compiler": compiler})

@@ -22,7 +22,12 @@ The simulator does the same with the same names, except where it must not preten
   truncated entry is detected, warned about and recompiled. The real backend, as indexed,
   only rejects empty files; what it does with a corrupt NEFF is unverified;
 - lock files live under the root (``locks/``), where the real backend keeps them in
-  ``TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR`` (local disk, because NFS locking is unreliable).
+  ``TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR`` (local disk, because NFS locking is unreliable);
+- it trusts only what the user could have written (:mod:`accelerate_neuron.trust`): a root, marker or
+  entry owned by another user or writable by group/others is refused with a warning naming it and its
+  owner (unless ``ACCELERATE_NEURON_SHARED_CACHE_DIRS`` names the folder as shared on purpose); an entry
+  is read only if it is a regular file of at most :data:`MAX_ENTRY_BYTES`, never through a link; folders
+  are created 0700 (in a shared folder, as the user's umask allows).
 
 Nothing here imports torch: keys are computed by :mod:`.graph_key`; this module stores them.
 """
@@ -45,7 +50,7 @@ from typing import Any
 
 import filelock
 
-from .. import settings
+from .. import files, settings, trust
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,8 @@ MARKER = "ACCELERATE_NEURON_SIMULATED_NEFF_CACHE"
 SHAPE_RECORDS = "accelerate-neuron-shapes"
 EXTENSION = ".neff"
 MAGIC = b"accelerate-neuron simulated NEFF 1\n"
+#: An entry is a small JSON record (a few hundred bytes): anything larger is refused unread.
+MAX_ENTRY_BYTES = 1 << 20
 _TRUE = ("1", "true", "yes")
 _FALSE = ("", "0", "false", "no")
 
@@ -141,8 +148,17 @@ class NeffCache:
     ``precompile --jobs N`` workers need).
     """
 
-    def __init__(self, root: Path | None, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT, off_reason: str | None = None):
+    def __init__(
+        self,
+        root: Path | None,
+        *,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        off_reason: str | None = None,
+        remote: Any = None,
+    ):
         self.root = root
+        #: The remote tier (:class:`accelerate_neuron.compile_cache.tier.Tier`) behind the persistent one, or None.
+        self.remote = remote
         self.lock_timeout = lock_timeout
         self.off_reason = off_reason if root is None else None
         self._memory: set[str] = set()
@@ -165,6 +181,8 @@ class NeffCache:
         out: dict[str, Any] = {"enabled": not foreign, "dir": str(self.root), "reason": foreign}
         if usage:
             out["entries"], out["bytes"] = disk_usage(self.root) if not foreign else (0, 0)
+        if self.remote is not None:
+            out["remote"] = self.remote.describe()
         return out
 
     def entry_path(self, key: str) -> Path:
@@ -188,8 +206,13 @@ class NeffCache:
             return None
         path = self.entry_path(key)
         try:
-            data = path.read_bytes()
+            data = trust.read_file(path, limit=MAX_ENTRY_BYTES, shared=self.shared)
         except FileNotFoundError:
+            return None
+        except trust.Untrusted as exc:
+            self._warn_once(
+                "untrusted", "refused NEFF cache entry: %s; it is compiled again (said once per cache)", exc
+            )
             return None
         except OSError as exc:
             self._warn_once(f"read:{key}", "cannot read NEFF cache entry %s (%s); it is compiled again", path, exc)
@@ -224,10 +247,13 @@ class NeffCache:
                 if self.load(key) is not None:  # compiled by another process while this one waited
                     self._remember(key)
                     return Lookup(key, HIT, "disk")
-                self.store(key, compile())
+                if self._fetch(key):
+                    self._remember(key)
+                    return Lookup(key, HIT, "remote")
+                self._publish(key, self.store(key, compile()))
         except filelock.Timeout:
             self._warn_lock_timeout(key)
-            self.store(key, compile())
+            self._publish(key, self.store(key, compile()))
         self._remember(key)
         return Lookup(key, MISS, "compiled")
 
@@ -250,8 +276,10 @@ class NeffCache:
                     for key in pending:
                         if self.load(key) is not None:
                             results[key] = Lookup(key, HIT, "disk")
+                        elif self._fetch(key):
+                            results[key] = Lookup(key, HIT, "remote")
                         else:
-                            self.store(key, entries[key]())
+                            self._publish(key, self.store(key, entries[key]()))
                             results[key] = Lookup(key, MISS, "compiled")
             except filelock.Timeout:
                 self._warn_lock_timeout("batch")
@@ -262,6 +290,19 @@ class NeffCache:
         for key in results:
             self._remember(key)
         return results
+
+    # ---------------------------------------------------------------- the remote tier (compile_cache.tier)
+
+    def _fetch(self, key: str) -> bool:
+        """On a local miss: fetch ``key`` from the remote tier into its entry file; True if it is now a valid entry."""
+        if self.remote is None or not self.persistent:
+            return False
+        return self.remote.fetch_into(key, self.entry_path(key)) and self.load(key) is not None
+
+    def _publish(self, key: str, stored: bool) -> None:
+        """After a compile: hand the new entry to the remote tier, which publishes it in the background."""
+        if self.remote is not None and stored:
+            self.remote.publish(key, self.entry_path(key))
 
     # ---------------------------------------------------------------- storage
 
@@ -274,7 +315,7 @@ class NeffCache:
         """The cross-process lock ``name``; raises ``filelock.Timeout`` after ``lock_timeout`` seconds."""
         assert self.root is not None
         try:
-            (self.root / "locks").mkdir(parents=True, exist_ok=True)
+            files.make_folders(self.root / "locks", trust.folder_mode(self.shared))
             lock = filelock.FileLock(str(self.root / "locks" / name), timeout=self.lock_timeout)
             lock.acquire()
         except filelock.Timeout:
@@ -294,26 +335,19 @@ class NeffCache:
         finally:
             lock.release()
 
-    def store(self, key: str, body: Mapping[str, Any]) -> None:
+    def store(self, key: str, body: Mapping[str, Any]) -> bool:
         """Write an entry atomically (temp file in the same folder + rename); a failure only costs the entry.
 
-        Safe without the lock: readers see the old entry or the new one, never a mix.
+        Safe without the lock: readers see the old entry or the new one, never a mix. Returns whether it was written.
         """
         if not self.persistent:
-            return
+            return False
         path = self.entry_path(key)
         data = encode(key, {**body, "created": time.time(), "pid": os.getpid()})
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp.")
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            files.make_folders(path.parent, trust.folder_mode(self.shared))
+            # The checksum catches a torn entry: no fsync per entry (eager ops store hundreds at exit).
+            files.write_atomically(path, data, durable=False)
         except OSError as exc:
             self._warn_once(
                 "store",
@@ -321,15 +355,34 @@ class NeffCache:
                 self.root,
                 exc,
             )
+            return False
+        return True
+
+    @property
+    def shared(self) -> bool:
+        """Whether the root is shared between users on purpose (``ACCELERATE_NEURON_SHARED_CACHE_DIRS``)."""
+        if self.root is None:
+            return False
+        known = self.__dict__.get("_shared")
+        if known is None or known[0] != self.root:  # asked once per root, not per entry
+            known = self.__dict__["_shared"] = (self.root, trust.is_shared(self.root))
+        return known[1]
 
     def _foreign(self) -> str | None:
-        """Why the root must not be written (it may be a real NEFF cache), or None; creates nothing."""
+        """Why the root must not be used (another user's, or maybe a real NEFF cache), or None; creates nothing."""
         assert self.root is not None
+        untrusted = trust.check_folder(self.root, create=False, shared=self.shared)
+        if untrusted is not None:
+            return untrusted
+        marker = self.root / MARKER
         try:
-            if (self.root / MARKER).exists() or not self.root.exists():
+            if os.path.lexists(marker):
+                trust.read_file(marker, limit=4096, shared=self.shared)
                 return None
-            if not any(entry.name != SHAPE_RECORDS for entry in self.root.iterdir()):
+            if not self.root.exists() or not any(entry.name != SHAPE_RECORDS for entry in self.root.iterdir()):
                 return None
+        except trust.Untrusted as exc:
+            return f"its marker file is refused: {exc}"
         except OSError as exc:
             return f"cannot read {self.root} ({exc})"
         return (
@@ -345,12 +398,13 @@ class NeffCache:
         reason = self._foreign()
         if reason is None:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                reason = trust.check_folder(self.root, shared=self.shared)  # creates it, 0700
                 marker = self.root / MARKER
-                if not marker.exists():
-                    marker.write_text(
+                if reason is None and not os.path.lexists(marker):
+                    files.write_atomically(
+                        marker,
                         "Compile-cache entries of accelerate-neuron's simulated Neuron device (not NEFFs).\n"
-                        "Safe to delete; torch-neuronx does not read this folder unless pointed at it.\n"
+                        "Safe to delete; torch-neuronx does not read this folder unless pointed at it.\n",
                     )
             except OSError as exc:
                 reason = f"cannot create {self.root} ({exc})"
@@ -358,9 +412,10 @@ class NeffCache:
             self._warn_once(
                 "claim",
                 "the simulated NEFF cache is off: %s. Every graph counts as compiled. Point %s at an empty or "
-                "simulator-owned folder.",
+                "simulator-owned folder of your own (one that other users share on purpose: name it in %s).",
                 reason,
                 CACHE_DIR_ENV,
+                trust.SHARED_ENV,
             )
             self.off_reason, self.root = reason, None
             return False
@@ -432,8 +487,11 @@ def from_environment(*, warn: bool = True) -> NeffCache:
     disabled, _ = _disabled()
     if disabled:
         return NeffCache(None, lock_timeout=timeout, off_reason=f"{DISABLE_ENV}={os.environ.get(DISABLE_ENV)}")
+    from . import remote_tier
+
     explicit = os.environ.get(CACHE_DIR_ENV, "").strip()
-    return NeffCache(Path(explicit).expanduser() if explicit else default_dir(), lock_timeout=timeout)
+    root = Path(explicit).expanduser() if explicit else default_dir()
+    return NeffCache(root, lock_timeout=timeout, remote=remote_tier.from_settings())
 
 
 _current: NeffCache | None = None
@@ -449,13 +507,16 @@ def current() -> NeffCache:
         return _current
 
 
-def use(directory: str | os.PathLike[str] | None) -> NeffCache:
-    """Make ``directory`` this process's cache from now on (None: memory only); returns the previous one."""
+def use(directory: str | os.PathLike[str] | None, remote: Any = None) -> NeffCache:
+    """Make ``directory`` this process's cache from now on (None: memory only), with the remote tier ``remote``
+    (a :class:`~accelerate_neuron.compile_cache.tier.Tier`, or None); returns the previous one."""
     global _current
     with _current_lock:
         previous = _current or from_environment()
         root = None if directory is None else Path(directory)
-        _current = NeffCache(root, lock_timeout=_lock_timeout()[0], off_reason="use(None): no persistent tier")
+        _current = NeffCache(
+            root, lock_timeout=_lock_timeout()[0], off_reason="use(None): no persistent tier", remote=remote
+        )
         return previous
 
 

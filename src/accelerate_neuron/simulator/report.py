@@ -1,11 +1,28 @@
 """Per-process dry-run records for ``accelerate-neuron simulate``.
 
 When ``ACCELERATE_NEURON_REPORT_DIR`` is set (the ``simulate`` command sets it
-for every process it starts, including the workers of ``torchrun`` /
-``accelerate launch``), activation calls :func:`install_from_env`. At exit the
-process writes ``process-<pid>.json`` there: :func:`simulator.stats()
-<accelerate_neuron.simulator.stats>`, what the backend's own metrics functions
-report (:mod:`accelerate_neuron.backend_metrics`), and where its models' weights were.
+for every process it starts; every process those start inherits it: the workers
+of ``torchrun`` / ``accelerate launch``, multiprocessing's spawn and forkserver
+children, ``subprocess`` children, Ray's workers), activation calls
+:func:`install_from_env`. The process then writes ``process-<pid>.json`` there:
+:func:`simulator.stats() <accelerate_neuron.simulator.stats>`, what the backend's
+own metrics functions report (:mod:`accelerate_neuron.backend_metrics`), and
+where its models' weights were. It is written when the process ends, however it
+ends, as far as the process can see its end coming:
+
+- at exit (``atexit``), and when a multiprocessing child's target returns (fork
+  and forkserver children leave through ``os._exit``, which skips ``atexit``);
+- on SIGTERM, and on SIGINT where Python's own handler is not installed, when
+  the process left the signal's default action in place (a parent's
+  ``Process.terminate()``, ``transformers serve`` stopping its model's process,
+  ``simulate`` ending the tree): the record is written, then the signal's
+  default action ends the process as it would have;
+- while it works, in a Ray worker (Ray sets ``RAY_RAYLET_PID`` for the processes
+  it starts): Ray ends its workers with ``ray.kill``, which runs nothing in the
+  process, so the record is rewritten every :data:`REFRESH_SECONDS` while the
+  device counters change.
+
+A forked child inherits its parent's counters: it writes no record of its own.
 
 Models are found without touching upstream code: torch's global module and
 parameter registration hooks note every module tree as it is built, and a
@@ -22,6 +39,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import weakref
@@ -41,8 +59,15 @@ MAX_MODELS = 8
 MAX_PLACEMENT_ENTRIES = 64
 MAX_SIGNATURES = 5000
 
+#: How often a process that can be ended without notice (a Ray worker) rewrites its record while it works.
+REFRESH_SECONDS = 1.0
+
 _lock = threading.Lock()
 _installed = False
+_installed_pid: int | None = None
+_final_written = False
+#: Set once the final record is written: the refresher then stops (it must not replace it with an older one).
+_refresh_stop = threading.Event()
 
 
 # ------------------------------------------------------------------ placement
@@ -327,7 +352,7 @@ def _track_models() -> None:
 
 def collect() -> dict[str, Any]:
     """This process's dry-run record: simulator counters, models, launch identity."""
-    from .. import backend_metrics, padding
+    from .. import backend_metrics, moe_accounting, padding
     from . import stats
 
     counters = stats()
@@ -350,28 +375,120 @@ def collect() -> dict[str, Any]:
         # Positions computed and real per call family (what bucketing cost), counted by the plugin side.
         "padding": padding.padding_stats(),
         "models": _tracker.models() if _tracker is not None else [],
+        # Mixture-of-experts calls: the experts' FLOPs per call shape against a sparse dispatch.
+        "moe": moe_accounting.snapshot(),
         "models_tracked": _tracker is not None,
     }
 
 
-def write(directory: str | os.PathLike[str]) -> Path | None:
-    """Write this process's record to ``directory``; never raises (runs at exit)."""
+def write(directory: str | os.PathLike[str], *, quiet: bool = False) -> Path | None:
+    """Write this process's record to ``directory``; never raises (runs at exit, in handlers, in a thread)."""
     try:
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
         target = folder / f"process-{os.getpid()}.json"
-        partial = target.with_suffix(".json.partial")
+        partial = target.with_name(f"{target.name}.{threading.get_ident()}.partial")
         partial.write_text(json.dumps(collect(), default=str))
         os.replace(partial, target)
         return target
     except Exception as exc:
-        logger.warning("accelerate_neuron: could not write the dry-run record to %s: %s", directory, exc)
+        (logger.debug if quiet else logger.warning)(
+            "accelerate_neuron: could not write the dry-run record to %s: %s", directory, exc
+        )
         return None
 
 
+def write_final(directory: str | os.PathLike[str]) -> Path | None:
+    """The record as the process ends: written once, and only by the process that installed the writer."""
+    global _final_written
+    if os.getpid() != _installed_pid:
+        return None  # a forked child: its counters are its parent's
+    with _lock:
+        if _final_written:
+            return None
+        _final_written = True
+        _refresh_stop.set()
+    return write(directory)
+
+
+def _on_signal(directory: str) -> Any:
+    def handler(signum: int, frame: Any) -> None:
+        write_final(directory)
+        # Then what the signal would have done without us: the default action, so the parent sees -signum.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    return handler
+
+
+def _catch_signals(directory: str) -> None:
+    """Write the record on SIGTERM / SIGINT where the process left their default action (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            # Python's SIGINT handler raises KeyboardInterrupt: the process then exits through atexit.
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                signal.signal(signum, _on_signal(directory))
+        except (ValueError, OSError):  # not settable here
+            continue
+
+
+def _at_multiprocessing_exit(directory: str) -> None:
+    """Write the record when a multiprocessing child's target returns: fork / forkserver children then
+    ``os._exit``. A child clears the finalizers it was started with, then runs its after-fork hooks: a
+    finalizer registered while it unpickled its target (imports torch) is registered again from one."""
+    from multiprocessing import util
+
+    def register(_owner: object = None) -> None:
+        if os.getpid() == _installed_pid:
+            util.Finalize(None, write_final, args=(directory,), exitpriority=0)
+
+    register()  # activated inside the target (torch imported there): no clearing comes after this
+    util.register_after_fork(_AFTER_FORK_OWNER, register)
+
+
+class _Owner:
+    """A weak-referenceable object that owns the after-fork hook (multiprocessing keeps hooks by weak reference)."""
+
+
+_AFTER_FORK_OWNER = _Owner()
+
+
+def _fingerprint() -> tuple[int, ...]:
+    """Cheap counters that change whenever the record would: transfers, eager ops, graphs handed to the backend."""
+    from . import compile_backend
+    from .runtime import get_state_or_none
+
+    state = get_state_or_none()
+    if state is None or not state.is_initialized():
+        return ()
+    lib = state.lib
+    return (*(int(lib.nsim_counter(i)) for i in range(4)), *compile_backend.cache_counts())
+
+
+def _refresh(directory: str) -> None:
+    written: tuple[int, ...] = ()
+    while not _refresh_stop.wait(REFRESH_SECONDS):
+        try:
+            current = _fingerprint()
+        except Exception:
+            continue
+        if current and current != written:
+            if write(directory, quiet=True) is not None:
+                written = current
+
+
+def _refresh_while_working(directory: str) -> None:
+    """In a process its engine ends without running anything in it (a Ray worker), keep the record current."""
+    if not os.environ.get("RAY_RAYLET_PID"):
+        return
+    threading.Thread(target=_refresh, args=(directory,), name="accelerate-neuron-record", daemon=True).start()
+
+
 def install_from_env() -> bool:
-    """Track models and write a record at exit if ``ACCELERATE_NEURON_REPORT_DIR`` is set."""
-    global _installed
+    """Track models and write a record as the process ends if ``ACCELERATE_NEURON_REPORT_DIR`` is set."""
+    global _installed, _installed_pid
     directory = settings.get_quietly("report_dir")
     if not directory:
         return False
@@ -379,9 +496,13 @@ def install_from_env() -> bool:
         if _installed:
             return True
         _installed = True
+        _installed_pid = os.getpid()
     try:
         _track_models()
     except Exception as exc:
         logger.warning("accelerate_neuron: dry-run model tracking unavailable (%s); memory figures only", exc)
-    atexit.register(write, directory)
+    atexit.register(write_final, directory)
+    _catch_signals(directory)
+    _at_multiprocessing_exit(directory)
+    _refresh_while_working(directory)
     return True

@@ -13,6 +13,8 @@ the ``"neuron"`` process group. The patch table below, by concern:
 - :mod:`.accelerate_cli`: ``accelerate config default``, the questionnaire, ``accelerate launch``.
 - :mod:`.config_file`: ``neuron_config:`` in Accelerate's config file, read, asked for, handed to ranks.
 - :mod:`.tp`: Transformers ``DistributedConfig`` / ``tp_plan`` device binding.
+- :mod:`.ray_workers`: Ray Train workers (the core Ray assigned, the gloo group
+  Ray creates), and Ray counting the simulated cores.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 from ...hookspecs import hookimpl
 from ...patching import Patch
 from ..enum_backfill import distributed_type_multi_neuron, dynamo_backend_neuron
-from . import accelerate_cli, config_file, cores, state, tp
+from . import accelerate_cli, config_file, cores, ray_workers, state, tp
 
 _STATE, _ACCELERATOR, _UTILS = "accelerate.state", "accelerate.accelerator", "accelerate.utils"
 _CONFIG = "accelerate.commands.config"
@@ -47,6 +49,15 @@ def neuron_patches() -> list[Patch]:
             "but each process sees only its own core (index 0)",
             lacking="accelerate (all releases: device_ids=[local_process_index] except on HPU)",
             params=("module", "device_ids", "output_device"),
+        ),
+        # --- Ray (ray_workers: the worker side is in cores.py, state.py and ..engines)
+        Patch(
+            "ray._private.accelerators.neuron",
+            "NeuronAcceleratorManager.get_current_node_num_accelerators",
+            ray_workers.wrap_node_core_count,
+            reason="ray.init() on a host with the simulated device registers its cores as neuron_cores",
+            lacking="every Ray release (a node's Neuron cores are counted with neuron-ls only)",
+            needed=ray_workers.simulated_device_only,
         ),
         # --- enum members older Accelerate releases lack
         *distributed_type_multi_neuron(),

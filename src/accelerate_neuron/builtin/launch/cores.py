@@ -9,6 +9,9 @@ runtimes of the ranks then claim the same cores. So, before the first process
 group is created (the runtime must not be initialised yet), rank ``r`` narrows
 the variable to the ``r``-th core of the job's list. Either way each process
 sees exactly its own core, as device index 0.
+
+A Ray worker is the exception (:mod:`.ray_workers`): Ray exported the worker's
+own cores, not the job's, so its list is never narrowed by ``LOCAL_RANK``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 
 from ... import device, logs
 from ...sizes import parse_core_list
+from ..engines import ray_neuron_cores
+from . import ray_workers
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,8 @@ def narrow_visible_cores() -> str | None:
     spec = os.environ.get(VISIBLE_CORES_ENV, "")
     if rank is None or rank < 0 or not spec.strip():
         return None
+    if ray_neuron_cores() is not None:
+        return None  # Ray exported this worker's own cores: nothing to narrow
     if device.runtime_initialized():
         return None  # too late to change what this process sees; the runtime would ignore it
     narrowed = core_for_rank(spec, rank, _int_env("LOCAL_WORLD_SIZE"))
@@ -82,7 +89,12 @@ def local_core_index(rank: int | None = None) -> int:
     After narrowing each process sees one core (index 0). If it still sees
     several (one process on the node, or the runtime started before the
     process group), rank ``r`` takes index ``r`` modulo the visible count.
+    A Ray worker takes the first core Ray assigned it.
     """
+    if rank is None:
+        assigned = ray_neuron_cores()
+        if assigned is not None:
+            return ray_workers.core_index(assigned)
     rank = local_rank() if rank is None else rank
     count = device.device_count()
     if rank is None or rank < 0 or count <= 1:
@@ -112,7 +124,8 @@ def _is_neuron_backend(backend: Any) -> bool:
 
 def wrap_init_process_group(original: Any) -> Any:
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
-        neuron = _is_neuron_backend(backend) and local_rank() is not None
+        backend = ray_workers.process_group_backend(backend)
+        neuron = _is_neuron_backend(backend) and (local_rank() is not None or ray_neuron_cores() is not None)
         if neuron:
             narrow_visible_cores()
         result = original(backend, *args, **kwargs)

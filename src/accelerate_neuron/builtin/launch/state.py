@@ -4,7 +4,9 @@ All releases: ``PartialState.set_device`` binds the rank's own core (1.15 reads
 ``torch.neuron.current_device()``, which is core 0 in every rank when the job
 sees several cores) and ``wait_for_everyone`` names that core in its barrier
 (upstream passes the local rank as a device index, which a process that sees
-only its own core does not have).
+only its own core does not have). In a Ray Train worker given Neuron cores,
+the ``ACCELERATE_TORCH_DEVICE=cpu`` Ray exported is not the device
+(:func:`..engines.forced_torch_device`).
 
 Accelerate <= 1.12 (no ``MULTI_NEURON``): the backend choice, the default
 device, DDP wrapping (``multi_device``), reduce/gather, bf16 autocast and RNG
@@ -15,9 +17,11 @@ all of these branches together.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ... import device
+from ..engines import TORCH_DEVICE_ENV, forced_torch_device
 from ..enum_backfill import has_native_member
 from .cores import bind_local_core, local_rank
 
@@ -46,7 +50,7 @@ def upstream_has_multi_neuron(_original: Any = None) -> str | None:
 
 def wrap_set_device(original: Any) -> Any:
     def set_device(self: Any) -> None:
-        if self.device is None and self.distributed_type == MULTI_NEURON:
+        if self.distributed_type == MULTI_NEURON and (self.device is None or _not_chosen(self.device)):
             import torch
 
             self.device = torch.device(device.DEVICE_TYPE, bind_local_core())
@@ -54,6 +58,11 @@ def wrap_set_device(original: Any) -> Any:
         original(self)
 
     return set_device
+
+
+def _not_chosen(chosen: Any) -> bool:
+    """Whether ``chosen`` came from an ACCELERATE_TORCH_DEVICE that is no choice (Ray Train's CPU fallback)."""
+    return chosen.type == "cpu" and TORCH_DEVICE_ENV in os.environ and forced_torch_device() is None
 
 
 def wrap_wait_for_everyone(original: Any) -> Any:

@@ -7,12 +7,13 @@ sizes follow the routing and whose token count is an integer ``histc`` the Neuro
 compiler has no lowering for). Off Neuron it is ``grouped_mm`` itself. A user's
 ``experts_implementation=...`` (``from_pretrained``, the config,
 ``set_experts_implementation``) wins. ``ACCELERATE_NEURON_MOE_EXPERTS`` chooses
-``auto`` / ``dense`` / ``off`` (:mod:`.experts`).
+``auto`` / ``blockwise`` / ``dense`` / ``off`` (:mod:`.experts`, :mod:`.blockwise`).
 
-Transformers 4.57 loops over experts in Python inside each model's sparse MoE block
-(:mod:`.legacy`). The router's auxiliary loss counts experts without an integer
-``histc`` on Neuron (:mod:`.aux_loss`). Expert parallelism trains through the all-reduce
-exchange where the EP group shares its batch (:mod:`.expert_parallel`).
+Transformers 4.57 loops over experts in Python inside each family's MoE layer
+(:mod:`.legacy`); Llama 4 runs every expert on every token in both releases
+(:mod:`.llama4`). The router's auxiliary loss counts experts without an integer
+``histc`` on Neuron (:mod:`.aux_loss`). Expert parallelism exchanges fixed-size buffers
+(:mod:`.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from typing import Any
 
 from ...hookspecs import hookimpl
 from ...patching import Patch
-from . import aux_loss, expert_parallel, experts, legacy
+from . import aux_loss, expert_parallel, experts, legacy, llama4
 
 _WHY = (
-    "experts on Neuron with shapes fixed by the token count (dense experts, or gathered weights for small "
-    "decode batches) instead of routing-dependent groups and an integer histc: one compiled graph per "
-    "shape, not per routing"
+    "experts on Neuron with shapes fixed by the token count (blockwise: the pairs sorted into blocks of one "
+    "expert each, about a sparse dispatch's FLOPs; gathered weights for small decode batches) instead of "
+    "routing-dependent groups and an integer histc: one compiled graph per shape, not per routing"
 )
 
 
@@ -74,6 +75,7 @@ def neuron_patches() -> list[Patch]:
             gone="this release has no experts interface (Transformers < 5)",
         ),
         *legacy.patches(_WHY),
+        *llama4.patches(_WHY),
         *aux_loss.patches(),
         *expert_parallel.patches(),
     ]

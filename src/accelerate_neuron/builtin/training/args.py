@@ -31,6 +31,7 @@ import os
 from typing import Any
 
 from ... import device, logs
+from ..engines import forced_torch_device
 from . import precision
 from .compile_config import train_compile_config
 
@@ -95,7 +96,7 @@ def targets_neuron(args: Any) -> bool:
         return False
     if os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in _TRUE:
         return False
-    forced = os.environ.get("ACCELERATE_TORCH_DEVICE", "").strip()
+    forced = forced_torch_device()  # not Ray Train's CPU fallback for a worker it gave Neuron cores
     return not forced or forced.split(":")[0] == device.DEVICE_TYPE
 
 

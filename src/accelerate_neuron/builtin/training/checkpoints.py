@@ -12,7 +12,10 @@ Accelerate's ``save_state`` with ``ProjectConfiguration(automatic_checkpoint_nam
 gap: ``load_state()`` without a folder takes the highest ``checkpoints/checkpoint_N`` (Accelerate 1.10 to
 1.16). There every process writes its ``random_states_<rank>.pkl`` last (rank 0's after the model,
 optimizer, scheduler and samplers), then rank 0 the registered custom objects: a folder missing one of
-them, or holding a torn one, was not finished.
+them, or holding a torn one, was not finished. Whether a file is torn is read from its zip archive
+(``torch.save``'s format: the central directory is written last, every member carries a CRC-32), never by
+unpickling it: a checkpoint on a shared file system may hold a pickle someone planted to run code, and
+Accelerate itself loads the RNG files with ``weights_only=True``, which refuses one.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 import os
 import re
 import tempfile
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -116,21 +120,29 @@ _ACCELERATE_NUMBER = re.compile(r"([0-9]+)(?=[^/]*$)")
 
 
 def accelerate_incomplete(path: str, processes: int, custom_objects: int) -> str | None:
-    """Why the Accelerate ``save_state`` folder ``path`` is not finished, or None when it is."""
-    import torch
-
+    """Why the Accelerate ``save_state`` folder ``path`` is not finished, or None when it is (nothing unpickled)."""
     names = [f"random_states_{rank}.pkl" for rank in range(processes)]
     names += [f"custom_checkpoint_{index}.pkl" for index in range(custom_objects)]
     for name in names:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             return f"no {name}: the save was interrupted"
-        try:
-            # Accelerate loads these with weights_only=False itself; they are a few KiB.
-            torch.load(file, map_location="cpu", weights_only=False)
-        except Exception as exc:  # a torn zip or pickle: any of several error types
-            return f"{name} unreadable ({type(exc).__name__}): the save was interrupted"
+        torn = torn_archive(file)
+        if torn is not None:
+            return f"{name} unreadable ({torn}): the save was interrupted"
     return None
+
+
+def torn_archive(file: str) -> str | None:
+    """Why the ``torch.save`` file ``file`` is not a whole archive, or None; reads its zip structure and CRCs only."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            if not any(name.endswith("/data.pkl") for name in archive.namelist()):
+                return "not a torch.save archive"
+            bad = archive.testzip()  # every member's CRC-32 against its bytes
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if bad is None else f"member {bad} fails its CRC"
 
 
 def wrap_accelerator_load_state(original: Callable[..., Any]) -> Callable[..., Any]:

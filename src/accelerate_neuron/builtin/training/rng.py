@@ -162,8 +162,9 @@ def _accelerate_rng_file(directory: str | os.PathLike[str], process_index: int) 
 def _accelerate_load(path: Path) -> Any:
     from accelerate.utils import load
 
-    # Accelerate's own loader: it allow-lists the numpy RNG state for weights_only loads.
-    return load(path)
+    # Accelerate's own loader: it allow-lists the numpy RNG state for weights_only loads. Never unpickle
+    # anything else: a checkpoint on a shared file system may hold a planted pickle.
+    return load(path, weights_only=True)
 
 
 def wrap_save_accelerator_state(original: Any) -> Any:

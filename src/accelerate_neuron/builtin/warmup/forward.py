@@ -80,7 +80,8 @@ def wrap_run(original: Callable[..., Any]) -> Callable[..., Any]:
             except (TypeError, Unplaced):
                 pass  # an output structure zeros cannot stand for: computed for real below
         started = time.perf_counter()
-        outputs = original(self, call, *args, **kwargs)
+        with session.labelled("forward", shape):
+            outputs = original(self, call, *args, **kwargs)
         if mine:
             warm.done("forward", shape, time.perf_counter() - started)
         templates.setdefault(key, (outputs, self.rows, self.length))

@@ -176,7 +176,8 @@ def wrap_decode_loop(original: Callable[..., Any]) -> Callable[..., Any]:
             raise session.Skip
         arguments["stopping_criteria"] = _one_decode_step(arguments.get("stopping_criteria"))
         started = time.perf_counter()
-        result = original(*bound.args, **bound.kwargs)
+        with session.labelled("generate", shape):
+            result = original(*bound.args, **bound.kwargs)
         warm.done("generate", shape, time.perf_counter() - started)
         return result
 

@@ -91,7 +91,8 @@ class Representatives:
         for shape, batch in self.batches:
             started = time.perf_counter()
             try:
-                yield batch
+                with session.labelled(self.kind, shape):
+                    yield batch
             finally:  # also when the loop stops asking after its last step (the Trainer counts its steps)
                 if warm is not None:
                     warm.done(self.kind, shape, time.perf_counter() - started)

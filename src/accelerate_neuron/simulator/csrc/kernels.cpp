@@ -7,7 +7,8 @@
 // its (op, shapes, dtypes), so that is what the eager-signature counter keys on,
 // except for the ops the real backend itself runs on the CPU (its CPU_FALLBACK
 // list, configured from Python): those compile nothing and cost a host round trip
-// per call, counted instead.
+// per call, counted instead. Convolutions have explicit kernels that count the same
+// way (their device entry points have no CPU kernel for the fallback to reach).
 
 #include "sim.h"
 
@@ -17,6 +18,8 @@
 #include <ATen/ops/_local_scalar_dense_native.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/resize_native.h>
 #include <ATen/ops/set_native.h>
@@ -24,7 +27,9 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <array>
 #include <sstream>
+#include <tuple>
 #include <unordered_set>
 
 namespace nsim {
@@ -433,6 +438,156 @@ at::Tensor from_cpu_result(const at::Tensor& r, int device, const std::vector<Bi
   return upload_result(r, device);
 }
 
+// ------------------------------------------------------------ convolutions
+
+// PyTorch sends a convolution on an out-of-tree device to convolution_overrideable
+// (and its gradient to convolution_backward_overrideable), whose CPU kernels only
+// raise: the boxed fallback cannot reach a CPU convolution through them. These run
+// the CPU's convolution and its backward on aliases of the device tensors, so the
+// results are the CPU's bit for bit, and count like the fallback: one eager
+// signature per (op, shapes, dtypes, geometry) outside a compiled graph, or a host
+// round trip when the op is on the CPU-fallback list. The geometry (stride,
+// padding, dilation, transposition, groups) is part of the signature because it
+// changes the program a convolution compiles to, not only its output shape.
+
+std::string int_list(c10::IntArrayRef v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    s += (i ? "," : "") + std::to_string(v[i]);
+  }
+  return s + "]";
+}
+
+struct ConvGeometry {
+  c10::IntArrayRef stride;
+  c10::IntArrayRef padding;
+  c10::IntArrayRef dilation;
+  bool transposed;
+  c10::IntArrayRef output_padding;
+  int64_t groups;
+
+  std::string describe() const {
+    std::string s = "stride=" + int_list(stride) + ", padding=" + int_list(padding) +
+        ", dilation=" + int_list(dilation);
+    if (transposed) {
+      s += ", transposed, output_padding=" + int_list(output_padding);
+    }
+    return s + ", groups=" + std::to_string(groups);
+  }
+};
+
+// Checks devices, counts the call, and returns the core it runs on.
+int account_convolution(
+    const char* op,
+    std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors,
+    const ConvGeometry& geometry,
+    int64_t* host_in_bytes) {
+  check_usable();
+  DeviceChecker checker;
+  checker.op_ = op;
+  std::string signature = std::string(op) + "(";
+  bool first = true;
+  for (const auto& [name, t] : tensors) {
+    checker.see(*t, name);
+    if (t->defined()) {
+      signature += (first ? "" : ", ") + describe(*t);
+      first = false;
+      *host_in_bytes += device_bytes(*t);
+    }
+  }
+  if (checker.device() < 0) {
+    checker.set_device(t_device);
+  }
+  check_device_index(checker.device());
+  if (t_suspend_counting == 0 && !is_cpu_fallback_op(op)) {
+    record_signature(signature + ", " + geometry.describe() + ")");
+  }
+  return checker.device();
+}
+
+at::Tensor host_view(const at::Tensor& t) {
+  return t.defined() && t.is_privateuseone() ? cpu_alias(t) : t;
+}
+
+// The CPU result `r` on core `device` (an empty tensor when `r` is undefined).
+at::Tensor to_device(const at::Tensor& r, int device, int64_t* host_out_bytes) {
+  if (!r.defined()) {
+    return r;
+  }
+  at::Tensor out = upload_result(r, device);
+  *host_out_bytes += device_bytes(out);
+  return out;
+}
+
+void note_host_round_trip(const char* op, int64_t in_bytes, int64_t out_bytes) {
+  if (t_suspend_counting == 0 && is_cpu_fallback_op(op)) {
+    record_cpu_fallback(op, in_bytes, out_bytes);
+  }
+}
+
+at::Tensor convolution_overrideable(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    c10::IntArrayRef stride,
+    c10::IntArrayRef padding,
+    c10::IntArrayRef dilation,
+    bool transposed,
+    c10::IntArrayRef output_padding,
+    int64_t groups) {
+  static const char* kOp = "aten::convolution_overrideable";
+  const at::Tensor no_bias;
+  const at::Tensor& b = bias.has_value() ? *bias : no_bias;
+  const ConvGeometry geometry{stride, padding, dilation, transposed, output_padding, groups};
+  int64_t in_bytes = 0, out_bytes = 0;
+  const int device = account_convolution(
+      kOp, {{"input", &input}, {"weight", &weight}, {"bias", &b}}, geometry, &in_bytes);
+  const std::optional<at::Tensor> host_bias =
+      b.defined() ? std::optional<at::Tensor>(host_view(b)) : std::nullopt;
+  at::Tensor r = at::convolution(
+      host_view(input), host_view(weight), host_bias, stride, padding, dilation, transposed, output_padding, groups);
+  at::Tensor out = to_device(r, device, &out_bytes);
+  note_host_round_trip(kOp, in_bytes, out_bytes);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    c10::IntArrayRef stride,
+    c10::IntArrayRef padding,
+    c10::IntArrayRef dilation,
+    bool transposed,
+    c10::IntArrayRef output_padding,
+    int64_t groups,
+    std::array<bool, 3> output_mask) {
+  static const char* kOp = "aten::convolution_backward_overrideable";
+  const ConvGeometry geometry{stride, padding, dilation, transposed, output_padding, groups};
+  int64_t in_bytes = 0, out_bytes = 0;
+  const int device = account_convolution(
+      kOp, {{"grad_output", &grad_output}, {"input", &input}, {"weight", &weight}}, geometry, &in_bytes);
+  // The bias has one value per output channel: weight is (out, in/groups, ...) or, transposed,
+  // (in, out/groups, ...).
+  const std::vector<int64_t> bias_sizes = {transposed ? weight.size(1) * groups : weight.size(0)};
+  auto [gi, gw, gb] = at::convolution_backward(
+      host_view(grad_output),
+      host_view(input),
+      host_view(weight),
+      output_mask[2] ? std::optional<c10::IntArrayRef>(bias_sizes) : std::nullopt,
+      stride,
+      padding,
+      dilation,
+      transposed,
+      output_padding,
+      groups,
+      output_mask);
+  auto result = std::make_tuple(
+      to_device(gi, device, &out_bytes), to_device(gw, device, &out_bytes), to_device(gb, device, &out_bytes));
+  note_host_round_trip(kOp, in_bytes, out_bytes);
+  return result;
+}
+
 void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   check_usable();
   const auto& schema = op.schema();
@@ -649,6 +804,8 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_source_storage_offset));
   m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
   m.impl("record_stream", TORCH_FN(record_stream));
+  m.impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
+  m.impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
