@@ -16,8 +16,6 @@ Scenarios, each on a fresh model with Dynamo reset and a cold (memory-only) NEFF
   default warm-up (the whole grid on Neuron) before the first wave;
 - ``patched, fewer buckets``: the same with query buckets 16, 64, 256, 512 and
   KV buckets 2,048, 8,192, 16,384 (the graphs-versus-padding trade-off);
-- ``fit``: ``ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS=fit`` and ``..._KV_BUCKETS=fit``: buckets fitted to the
-  step sizes the ``patched`` run recorded (in a scratch NEFF cache folder), as the next run of a server would;
 - ``stock``: every accelerate-neuron patch reverted, with the same cache size
   and token budget as ``patched`` (stock sizes the cache from the host's memory
   on Neuron: upstream's memory probe knows CUDA, XPU and MPS only).
@@ -37,9 +35,7 @@ import argparse
 import contextlib
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -55,7 +51,6 @@ from transformers.generation.continuous_batching import model_runner
 import accelerate_neuron
 from accelerate_neuron import activation, simulator, tiny
 from accelerate_neuron.builtin.serving import plan as serving_plan
-from accelerate_neuron.builtin.shapes import record
 from accelerate_neuron.costs import describe, estimate
 from accelerate_neuron.simulator import neff_cache
 
@@ -164,21 +159,9 @@ def fresh_model():
 
 
 @contextlib.contextmanager
-def fitted_buckets() -> Iterator[None]:
-    with buckets_set({serving_plan.TOKEN_BUCKETS_ENV: "fit", serving_plan.KV_BUCKETS_ENV: "fit"}):
-        yield
-
-
-@contextlib.contextmanager
 def fewer_buckets() -> Iterator[None]:
-    with buckets_set(FEWER):
-        yield
-
-
-@contextlib.contextmanager
-def buckets_set(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    saved = {k: os.environ.get(k) for k in FEWER}
+    os.environ.update(FEWER)
     try:
         yield
     finally:
@@ -207,20 +190,9 @@ def main() -> None:
     args = parser.parse_args()
     requests = workload(args.requests, args.seed)
 
-    scratch = tempfile.mkdtemp(prefix="serving-records-")  # the NEFF cache folder the runs record their sizes in
-    os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] = scratch
-    record.reset()
     model = fresh_model()
     patched_tokens, patched = serve(model, requests, args.waves, None)
     resolved = serving_plan.resolve(model.config.get_text_config(), model.device)
-    record.flush()  # what the patched run saw: the next run fits its buckets to it
-    record.reset()
-    with fitted_buckets():
-        model = fresh_model()
-        fit_tokens, fit = serve(model, requests, args.waves, None)
-        fitted = serving_plan.resolve(model.config.get_text_config(), model.device)
-    record.reset()
-    shutil.rmtree(scratch, ignore_errors=True)
     with fewer_buckets():
         model = fresh_model()
         fewer_tokens, fewer = serve(model, requests, args.waves, None)
@@ -231,10 +203,7 @@ def main() -> None:
     model = fresh_model()
     with activation.unpatched():
         stock_tokens, stock = serve(model, requests, args.waves, stock_cb)
-    mismatches = sum(
-        a != b or c != b or d != b
-        for a, b, c, d in zip(patched_tokens, stock_tokens, fewer_tokens, fit_tokens, strict=True)
-    )
+    mismatches = sum(a != b or c != b for a, b, c in zip(patched_tokens, stock_tokens, fewer_tokens, strict=True))
 
     lengths = sorted(len(p) for p, _ in requests)
     news = [n for _, n in requests]
@@ -246,15 +215,14 @@ def main() -> None:
         f"{args.requests} requests in {args.waves} waves; prompt tokens: median {lengths[len(lengths) // 2]}, "
         f"90th percentile {lengths[int(0.9 * (len(lengths) - 1))]}, max {lengths[-1]}; max_new_tokens "
         f"8/16/32/64: {', '.join(str(news.count(n)) for n, _ in NEW_TOKENS)} requests. Patched: "
-        f"{grid(resolved)}; fewer buckets: {grid(coarse)}; fit (to the patched run's steps, recorded): "
-        f"{grid(fitted)}. "
+        f"{grid(resolved)}; fewer buckets: {grid(coarse)}. "
         f"Requests whose tokens differ between the scenarios: {mismatches} of {len(requests)}.",
         "",
         "| scenario | wave | graphs compiled | eager signatures | est. Trainium compile | query tokens computed / "
         "real | KV tokens read / real | steps | CPU wall |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, rows in (("patched", patched), ("patched, fewer buckets", fewer), ("fit", fit), ("stock", stock)):
+    for name, rows in (("patched", patched), ("patched, fewer buckets", fewer), ("stock", stock)):
         for wave, row in enumerate(rows, 1):
             label = f"{wave}" + (" (with warm-up)" if wave == 1 and name != "stock" else "")
             lines.append(

@@ -295,3 +295,22 @@ def test_row_groups_are_the_cheapest_cuts_of_the_sorted_rows() -> None:
         assert all(extents[r] <= g.bucket for g in planned for r in g.rows)
         cost = sum(g.padded_rows * g.bucket for g in planned) + sum(g.bucket for g in planned[1:])
         assert cost == best and best < rows * width, (extents, planned)
+
+
+@pytest.mark.one_pair
+def test_fit_fits_training_and_serving_buckets_from_their_own_records(records, monkeypatch) -> None:
+    key = "qwen3-00000000000000bb"
+    for size, rows in ((100, 6), (120, 2), (300, 1)):
+        records.note(key, "train_buckets", size, rows)
+        records.note(key, "serving_token_buckets", size // 4, rows)
+    records.flush()
+    records.reset()
+    monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "fit")
+    monkeypatch.setenv("ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS", "fit")
+    # Powers of two reach 128 and 512 for 100/120/300: two buckets; the cheapest two are 120 (8 rows) and 300.
+    assert tuple(resolve_policy(512, key).buckets) == (120, 300, 512)
+    served = shapes.buckets(
+        "serving_token_buckets", {}, "token_buckets", lambda: shapes.pow2(16, 512, "serving_token_buckets"), record=key
+    )
+    assert tuple(served) == (30, 75, 128, 256, 512)  # 25/30/75 reach 32 and 128: two buckets, then powers of two
+    assert tuple(resolve_policy(512, None).buckets) != (120, 300, 512)  # no record key (no config): pow2
