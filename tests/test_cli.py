@@ -297,7 +297,8 @@ def test_simulate_does_not_change_what_the_script_compiles(tmp_path: Path) -> No
         entry = report["padding"][family]
         assert (entry["computed"], entry["real"]) == (counted[family]["computed"], counted[family]["real"])
         assert entry["ratio"] == round(entry["computed"] / entry["real"], 3)
-    assert report["padding"]["generate_prefill"]["computed"] == 2 * 32
+    # 4.x prefills all but the last prompt token (31 of the bucket's 32 columns), as in tests/test_padding.py.
+    assert report["padding"]["generate_prefill"]["computed"] in (2 * 32, 2 * 31)
     assert report["padding"]["generate_decode"]["ratio"] == 1.0
 
 
