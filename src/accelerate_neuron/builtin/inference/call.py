@@ -181,7 +181,10 @@ class ForwardCall:
         for name, host in self.host.items():
             value = host[index] if len(index) != host.shape[0] else host
             value = shapes.pad_columns(value[:, :columns], columns, self.fills[name])
-            out[name] = shapes.add_rows(value, padded_rows).to(self.device)  # copies of row 0: none all padding
+            value = shapes.add_rows(value, padded_rows)  # copies of row 0: none all padding
+            # A one-row cut keeps the host batch's row stride (a size-1 dim counts as contiguous), and Dynamo guards
+            # on strides: without a fresh layout the same group shape compiles again for every batch width.
+            out[name] = value.clone(memory_format=torch.contiguous_format).to(self.device)
         return out
 
     @property
