@@ -17,7 +17,11 @@ Images and audio windows have a fixed size per row: only their batch is bucketed
 rows (rows computed per real row), where the text jobs count positions.
 
 Each job runs ``--passes`` passes of ``--texts`` texts on a fresh model, Dynamo reset and a cold (memory-only) NEFF
-cache, twice: patched (accelerate-neuron as installed) and stock (every patch reverted in this process). Per pass:
+cache, in four scenarios: ``patched`` (accelerate-neuron as installed: powers of two, a batch's rows grouped by the
+bucket of their own length), ``patched, one call per batch`` (``ACCELERATE_NEURON_GROUP_ROWS=0``: every row at the
+longest row's bucket, the behaviour before grouping), ``patched, fit`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=fit``,
+fitted to the sizes an earlier run of the same job on other texts recorded in a scratch NEFF cache folder) and
+stock (every patch reverted in this process). Per pass:
 graphs compiled and eager op signatures compiled (what Neuron compiles), the cost model's compile time on Trainium
 (:mod:`accelerate_neuron.costs`), padding overhead (positions the forwards computed per real token: stock pads each
 batch to its longest text, patched to a bucket), and the largest difference from the CPU's results.
@@ -31,6 +35,7 @@ import argparse
 import contextlib
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -48,6 +53,7 @@ import transformers
 import accelerate_neuron
 from accelerate_neuron import activation, costs, simulator, tiny
 from accelerate_neuron.builtin.inference import call as inference_call
+from accelerate_neuron.builtin.shapes import record
 from accelerate_neuron.simulator import neff_cache
 
 WORDS = tiny.CORPUS.split()
@@ -87,7 +93,7 @@ class Positions:
                     if call.tokens and "attention_mask" in call.inputs
                     else call.rows * max(call.length, 1)
                 )
-                counter.computed += call.padded_rows * max(call.padded_length, 1)
+                counter.computed += call.computed  # the groups' shapes when its rows run in groups
                 return padded
 
             inference_call.ForwardCall.pad = pad
@@ -139,6 +145,48 @@ class Positions:
 Job = tuple[Callable[[str], Any], Callable[[Any, list[Any]], Any]] | tuple[
     Callable[[str], Any], Callable[[Any, list[Any]], Any], Callable[[int], list[Any]]
 ]
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+#: The patched scenarios: their settings, and whether they run on buckets fitted to an earlier run of the job.
+SCENARIOS = {
+    "patched": ({}, False),
+    "patched, one call per batch": ({"ACCELERATE_NEURON_GROUP_ROWS": "0"}, False),
+    "patched, fit": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "fit", "ACCELERATE_NEURON_BATCH_BUCKETS": "fit"}, True),
+}
+
+
+def run_scenario(name: str, job: Job, passes: list[list[str]], history: list[list[str]], scenario: str) -> dict:
+    """A patched scenario; ``fit`` first runs ``history`` (an earlier run of the job, on pow2) to record its sizes."""
+    values, fitted = SCENARIOS[scenario]
+    if not fitted:
+        with environment(values):
+            return {**run_job(name, job, passes, True), "scenario": scenario}
+    folder = tempfile.mkdtemp(prefix="inference-records-")
+    try:
+        with environment({"TORCH_NEURONX_NEFF_CACHE_DIR": folder}):
+            record.reset()
+            run_job(name, job, history, True)
+            record.flush()
+            record.reset()
+            with environment(values):
+                return {**run_job(name, job, passes, True), "scenario": scenario}
+    finally:
+        record.reset()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_job(name: str, job: Job, passes: list[list[str]], patched: bool) -> dict[str, Any]:
@@ -300,12 +348,16 @@ def main() -> int:
     vit = str(tiny.save_vision(os.path.join(workdir, "vit"), "vit"))
     tokenizer = tiny.encoder_tokenizer()
     passes = [texts(args.texts, args.median, args.seed + i, tokenizer) for i in range(args.passes)]
+    history = [texts(args.texts, args.median, args.seed + 100 + i, tokenizer) for i in range(args.passes)]
     results = []
     for name, job in jobs(folder, reranker, vit, args.seed).items():
         if args.only and name != args.only:
             continue
-        for patched in (True, False):
-            result = run_job(name, job, passes, patched)
+        for scenario in (*SCENARIOS, "stock"):
+            if scenario == "stock":
+                result = run_job(name, job, passes, False)
+            else:
+                result = run_scenario(name, job, passes, history, scenario)
             results.append(result)
             print(
                 f"{name:9} {result['scenario']:8} graphs={result['graphs']} eager={result['eager']} "

@@ -257,6 +257,7 @@ def test_simulate_json_reports_placement_memory_compiles_and_recompile_causes(tm
 GENERATE_SCRIPT = """
     import json, sys
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    import accelerate_neuron
     from accelerate_neuron import simulator
 
     path = sys.argv[1]
@@ -265,7 +266,7 @@ GENERATE_SCRIPT = """
     for prompt in ["hello", "the neuron core runs"]:
         inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
         model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    print(json.dumps({"compiles": simulator.stats()["compiles"]}))
+    print(json.dumps({"compiles": simulator.stats()["compiles"], "padding": accelerate_neuron.padding_stats()}))
 """
 
 
@@ -290,6 +291,15 @@ def test_simulate_does_not_change_what_the_script_compiles(tmp_path: Path) -> No
     # One prefill graph (prompt bucket) and one decode graph, alone and under the dry run alike.
     assert report["compiles"] == last_json(proc.stderr)["compiles"] == last_json(alone.stdout)["compiles"] == 2
     assert not report.get("graph_breaks")
+    # The padding the process counted is what the report prints: two one-row prompts padded to 32 columns.
+    counted = last_json(proc.stderr)["padding"]
+    for family in ("generate_prefill", "generate_decode"):
+        entry = report["padding"][family]
+        assert (entry["computed"], entry["real"]) == (counted[family]["computed"], counted[family]["real"])
+        assert entry["ratio"] == round(entry["computed"] / entry["real"], 3)
+    # 4.x prefills all but the last prompt token (31 of the bucket's 32 columns), as in tests/test_padding.py.
+    assert report["padding"]["generate_prefill"]["computed"] in (2 * 32, 2 * 31)
+    assert report["padding"]["generate_decode"]["ratio"] == 1.0
 
 
 DDP_SCRIPT = """

@@ -21,6 +21,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from accelerate_neuron import hookimpl, plugins, simulator, tiny
 from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.generation import cache as gcache
+from accelerate_neuron.builtin.generation import groups
 from test_generation import QWEN, T5, _clean_dynamo, model, on, reference, tok  # noqa: F401 - shared fixtures
 
 WORDS = tiny.CORPUS.split()
@@ -82,7 +83,15 @@ def test_varied_prompts_compile_one_graph_per_bucket_and_match_cpu(sim, referenc
             expected = reference.generate(**enc, do_sample=False, max_new_tokens=NEW)
             assert torch.equal(out.cpu(), expected), (size, i)
             bucket = policy.prompt_bucket(enc["input_ids"].shape[1])
-            touched_prompt.add((bucket, size))
+            # Rows of different prompt buckets prefill group by group (see test_rows_of_very_different_lengths...).
+            planned = groups.plan(
+                groups.extents(enc["attention_mask"], enc["input_ids"].shape[1]),
+                bucket,
+                policy.prompt_buckets,
+                policy.batch_buckets,
+                size,
+            )
+            touched_prompt.update({(g.bucket, g.padded_rows) for g in planned} if planned else {(bucket, size)})
             touched_cache.add((gcache.bucket_length(bucket + NEW - 1, 256, "pow2"), size))
     stats = simulator.stats()
     found = graph_shapes(stats)
@@ -95,6 +104,33 @@ def test_varied_prompts_compile_one_graph_per_bucket_and_match_cpu(sim, referenc
     assert all(n in (b, b - 1) for _, n in prefill for b in [policy.prompt_bucket(n)]), prefill  # 4.x: bucket - 1
     assert len(decode) <= len(touched_cache), (decode, touched_cache)
     assert stats["eager_signatures"] <= 40  # the stock script paid 680 for the single prompts alone
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_rows_of_very_different_lengths_prefill_in_groups_and_match_cpu(sim, reference, tok, sample):
+    """One long row no longer pads seven short ones to its bucket: each group prefills at its own, decode together."""
+    import accelerate_neuron
+
+    torch._dynamo.reset()
+    model = tiny.model("qwen3", **QWEN).to("neuron")
+    texts = [prompt(60)] + [prompt(n, offset=n) for n in (2, 3, 3, 4, 5, 2, 4)]  # 1 long row, 7 short ones
+    enc = tok(texts, return_tensors="pt", padding=True)
+    lengths = enc["attention_mask"].sum(dim=1).tolist()
+    assert 64 < lengths[0] <= 128 and max(lengths[1:]) <= 32
+    accelerate_neuron.reset_padding_stats()
+    simulator.reset_stats()
+    kwargs = {"do_sample": sample, "max_new_tokens": 6}
+    torch.manual_seed(0)
+    out = model.generate(**enc, **kwargs)
+    torch.manual_seed(0)
+    assert torch.equal(out.cpu(), reference.generate(**enc, **kwargs))
+    prefill = {tuple(ids) for ids, _ in graph_shapes(simulator.stats()) if ids[1] > 1}
+    # The 7 short rows at 32 columns (batch bucket 8), the long one alone at 128: never 8 rows x 128.
+    assert prefill in ({(8, 32), (1, 128)}, {(8, 31), (1, 127)}), prefill  # 4.x prefills all but the last token
+    stats = accelerate_neuron.padding_stats()["generate_prefill"]
+    columns = 0 if (8, 32) in prefill else 1  # 4.x: the last prompt token is the first decode step's
+    assert stats["computed"] == 8 * (32 - columns) + 1 * (128 - columns) < 8 * (128 - columns)
+    assert stats["real"] == sum(lengths) - columns * len(lengths)
 
 
 def test_stock_recipe_pays_per_length(sim, tok, unpatched):

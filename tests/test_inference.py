@@ -125,6 +125,50 @@ def test_encoder_heads_run_bucketed_and_equal_the_cpu(sim: Any, family: str) -> 
         assert 1 <= pieces <= 3 and seen[32][0] <= 1, (family, head, seen)  # <= 1: ModernBERT's one recompile
 
 
+def test_rows_of_very_different_lengths_run_in_groups_and_equal_the_cpu(sim: Any) -> None:
+    """One long text no longer pads five short ones to its bucket: each group of rows runs at its own bucket."""
+    tok = tiny.encoder_tokenizer()
+    texts = [" ".join(WORDS[:90])] + [" ".join(WORDS[i : i + n]) for i, n in enumerate((2, 3, 1, 4, 5))]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    lengths = enc["attention_mask"].sum(dim=1).tolist()
+    assert 64 < lengths[0] <= 128 and max(lengths[1:]) <= 32
+    for head in ("AutoModel", "AutoModelForTokenClassification", "AutoModelForSequenceClassification"):
+        cpu, dev = pair(tiny.encoder("bert", head))
+        accelerate_neuron.reset_padding_stats()
+        simulator.reset_stats()
+        with torch.no_grad():
+            got = dev(**{k: v.to("neuron") for k, v in enc.items()}, output_hidden_states=True)
+            want = cpu(**enc, output_hidden_states=True)
+        assert close(got, want, enc["attention_mask"]) <= TOLERANCE, head
+        # The long row alone at 128 columns, the five short ones at 32 as 4 + 1 rows (cheaper than 8 with 3 dummy rows,
+        # even counting one more launch): not 8 rows x 128.
+        assert accelerate_neuron.padding_stats()["forward"] == {"computed": 128 + 4 * 32 + 32, "real": sum(lengths)}
+        shapes_run = {
+            tuple(x["shape"])
+            for g in simulator.stats()["graphs"]
+            for x in g["dynamo_inputs"]
+            if x["name"].endswith("['input_ids']")
+        }
+        assert (1, 128) in shapes_run and not {(8, 128), (8, 64)} & shapes_run, (head, shapes_run)
+        compiles = simulator.stats()["compiles"]
+        other = tok(
+            [" ".join(WORDS[3:95])] + [" ".join(WORDS[i : i + n]) for i, n in enumerate((4, 1, 2, 6, 3))],
+            return_tensors="pt",
+            padding=True,
+        )
+        with torch.no_grad():
+            got = dev(**{k: v.to("neuron") for k, v in other.items()}, output_hidden_states=True)
+            assert close(got, cpu(**other, output_hidden_states=True), other["attention_mask"]) <= TOLERANCE
+        later = {
+            tuple(x["shape"])
+            for g in simulator.stats()["graphs"]
+            for x in g["dynamo_inputs"]
+            if x["name"].endswith("['input_ids']")
+        }
+        # New lengths: a graph only for a group shape not seen before (never a recompile of a shape already run).
+        assert simulator.stats()["compiles"] - compiles == len(later - shapes_run), (head, shapes_run, later)
+
+
 @pytest.mark.parametrize("head", ["AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification"])
 def test_decoder_only_models_called_for_scores_and_embeddings(sim: Any, head: str) -> None:
     torch.manual_seed(0)
@@ -259,7 +303,10 @@ def _sentence_transformer(folder: Any, device: str) -> Any:
     return st.SentenceTransformer(modules=[transformer, pooling, modules.Normalize()], device=device)
 
 
-def test_sentence_transformer_encode_stops_compiling(sim: Any, encoder_folder: Any) -> None:
+def test_sentence_transformer_encode_stops_compiling(sim: Any, encoder_folder: Any, monkeypatch: Any) -> None:
+    # The bucket grid itself, one call per batch: grouped rows add a graph per (group rows, bucket) shape, which
+    # test_rows_of_very_different_lengths_run_in_groups_and_equal_the_cpu counts.
+    monkeypatch.setenv("ACCELERATE_NEURON_GROUP_ROWS", "0")
     cpu = _sentence_transformer(encoder_folder, "cpu")
     dev = _sentence_transformer(encoder_folder, "neuron")
     first, second = lognormal_sentences(64, seed=1), lognormal_sentences(64, seed=2)
@@ -278,7 +325,7 @@ def test_sentence_transformer_encode_stops_compiling(sim: Any, encoder_folder: A
     assert tensors.device.type == "neuron" and tensors.shape == (5, 64)
 
 
-def test_cross_encoder_predict_and_rank_equal_the_cpu(sim: Any, reranker_folder: Any) -> None:
+def test_cross_encoder_predict_and_rank_equal_the_cpu(sim: Any, reranker_folder: Any, monkeypatch: Any) -> None:
     st = pytest.importorskip("sentence_transformers")
     cpu = st.CrossEncoder(str(reranker_folder), device="cpu")
     dev = st.CrossEncoder(str(reranker_folder), device="neuron")
@@ -287,6 +334,8 @@ def test_cross_encoder_predict_and_rank_equal_the_cpu(sim: Any, reranker_folder:
     assert np.abs(dev.predict(pairs, batch_size=8) - cpu.predict(pairs, batch_size=8)).max() <= TOLERANCE
     ranked, reference = dev.rank(sentences[0], sentences[1:21]), cpu.rank(sentences[0], sentences[1:21])
     assert [r["corpus_id"] for r in ranked] == [r["corpus_id"] for r in reference]
+    monkeypatch.setenv("ACCELERATE_NEURON_GROUP_ROWS", "0")  # the bucket grid, one call per batch (see above)
+    dev.predict(pairs, batch_size=8)
     compiles = simulator.stats()["compiles"]
     dev.predict(list(zip(lognormal_sentences(40, seed=4), sentences[1:], strict=True)), batch_size=8)
     assert simulator.stats()["compiles"] == compiles  # new pairs, new lengths: the same buckets

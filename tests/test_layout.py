@@ -33,6 +33,7 @@ BASE = {
     "precompile_token",
     "records",
     "accelerate_config",
+    "padding",
     "compile_cache",
     "moe_accounting",
     "speculation_accounting",

@@ -91,7 +91,10 @@ def test_every_bucket_setting_rejects_the_same_values_the_same_way(
     with pytest.raises(ValueError) as info:
         _bucket_entry_points()[name]()
     message = str(info.value)
-    assert message.startswith(f"invalid {variable}={bad!r}: expected 'pow2', 'off', or strictly ascending"), message
+    assert message.startswith(
+        f"invalid {variable}={bad!r}: expected 'pow2', 'fit' (fitted to the sizes this job's calls recorded), 'off', "
+        "or strictly ascending"
+    ), message
 
 
 @pytest.mark.parametrize("name", BUCKET_SETTINGS)

@@ -7,6 +7,7 @@ against the CPU's.
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 
@@ -152,3 +153,172 @@ def test_one_pad_token_choice() -> None:
     values = shapes.pad_values(9, pad_type=2)
     assert values["input_ids"] == values["decoder_input_ids"] == 9 and values["token_type_ids"] == 2
     assert values["labels"] == -100 and values["attention_mask"] == 0
+
+
+# ------------------------------------------------------------------ buckets fitted to the sizes a job sees
+
+
+@pytest.fixture
+def records(tmp_path, monkeypatch):
+    """Shape records in a folder of this test's own (the NEFF cache folder), nothing noted or fitted before."""
+    from accelerate_neuron.builtin.shapes import record
+
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", str(tmp_path))
+    record.reset()
+    yield record
+    record.reset()
+
+
+@pytest.mark.one_pair
+def test_the_fit_is_the_exact_optimum_under_its_budget() -> None:
+    import itertools
+    import random
+
+    from accelerate_neuron.builtin.shapes import fit
+
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = sorted(rng.sample(range(1, 80), rng.randint(1, 8)))
+        histogram = {s: rng.randint(1, 9) for s in sizes}
+        budget = rng.randint(1, 4)
+        chosen = fit.fit(histogram, budget)
+        assert len(chosen) <= budget and chosen[-1] == sizes[-1]
+        best = min(
+            fit.cost(histogram, (*c, sizes[-1]))
+            for r in range(min(budget, len(sizes)))
+            for c in itertools.combinations(sizes[:-1], r)
+        )
+        assert fit.cost(histogram, chosen) == best
+    assert fit.pow2_budget({5: 1, 30: 2, 33: 1}, 32) == 2  # powers of two from 32 reach 32 and 64
+    assert fit.fit({}, 3) == ()
+
+
+@pytest.mark.one_pair
+def test_fit_runs_on_pow2_without_history_then_on_the_fitted_set_saved_for_every_later_run(
+    records, monkeypatch, caplog
+) -> None:
+    monkeypatch.setenv(PROMPT_ENV, "fit")
+    key = "qwen3-0123456789abcdef"
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        assert shapes.resolve_policy(256, key).prompt_buckets == shapes.pow2_prompt_buckets(256)
+    assert any("no sizes recorded yet" in r.getMessage() for r in caplog.records)
+    for size, rows in ((5, 4), (7, 2), (9, 8), (40, 1), (41, 3), (120, 1)):
+        records.note(key, "prompt_buckets", size, rows)
+    assert shapes.resolve_policy(256, key).prompt_buckets == shapes.pow2_prompt_buckets(256)  # frozen for the run
+    records.flush()
+    path = records.root() / f"{key}.json"
+    assert path.stat().st_mode & 0o077 == 0  # nobody else may write (or read) it
+    records.reset()  # a new run
+    fitted = shapes.resolve_policy(256, key).prompt_buckets
+    # Powers of two reach 32, 64 and 128 for these sizes: three buckets, fitted, then 128 and 256 for sizes never
+    # seen (the powers of two beyond the largest size seen).
+    assert fitted == (9, 41, 120, 128, 256)
+    assert json.loads(path.read_text())["fitted"]["prompt_buckets"] == [9, 41, 120, 128, 256]
+    records.note(key, "prompt_buckets", 30, 1)  # a little more history: within 5% of the saved set, kept
+    records.flush()
+    records.reset()
+    assert shapes.resolve_policy(256, key).prompt_buckets == (9, 41, 120, 128, 256)
+
+
+@pytest.mark.one_pair
+@pytest.mark.parametrize("damage", ["corrupt", "foreign", "mismatched", "huge size"])
+def test_a_record_that_cannot_be_trusted_is_ignored_with_one_warning(records, monkeypatch, caplog, damage) -> None:
+    monkeypatch.setenv(PROMPT_ENV, "fit")
+    key = "qwen3-00000000000000aa"
+    records.note(key, "prompt_buckets", 9, 5)
+    records.flush()
+    path = records.root() / f"{key}.json"
+    body = json.loads(path.read_text())
+    if damage == "corrupt":
+        path.write_text(path.read_text()[:20])
+    elif damage == "foreign":
+        path.chmod(0o622)  # writable by others: another user could have put anything there
+    elif damage == "mismatched":
+        body["record"] = "llama-ffffffffffffffff"
+        path.write_text(json.dumps(body))
+    else:
+        body["sizes"]["prompt_buckets"] = {"99999999999": 1}
+        path.write_text(json.dumps(body))
+    records.reset()
+    with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
+        assert shapes.resolve_policy(256, key).prompt_buckets == shapes.pow2_prompt_buckets(256)
+        shapes.resolve_policy(256, key)
+    said = [r.getMessage() for r in caplog.records if "shape record" in r.getMessage()]
+    assert len(said) == 1 and "runs on pow2" in said[0], said
+    if damage == "foreign":
+        records.note(key, "prompt_buckets", 9, 5)
+        records.flush()  # never written to either
+        assert json.loads(path.read_text()) == body
+
+
+@pytest.mark.one_pair
+def test_records_beside_the_graphs_leave_the_simulated_cache_its_folder(records) -> None:
+    """A NEFF cache folder holding only shape records is still one the simulator may claim (it holds no NEFF)."""
+    from accelerate_neuron.simulator import neff_cache
+
+    assert records.FOLDER == neff_cache.SHAPE_RECORDS
+    records.note("qwen3-0000000000000001", "prompt_buckets", 12)
+    records.flush()
+    cache = neff_cache.NeffCache(records.root().parent)
+    assert cache.describe()["enabled"], cache.describe()
+
+
+@pytest.mark.one_pair
+def test_the_shape_layer_exports_what_it_lists() -> None:
+    assert [name for name in shapes.__all__ if not hasattr(shapes, name)] == []
+
+
+@pytest.mark.one_pair
+def test_row_groups_are_the_cheapest_cuts_of_the_sorted_rows() -> None:
+    """The groups' plan against every way of cutting the sorted rows into runs (each run past the first a launch,
+    priced as one row of its length)."""
+    import itertools
+    import random
+
+    from accelerate_neuron.builtin.shapes import groups
+
+    prompts, batches = shapes.pow2_prompt_buckets(512), shapes.pow2_batch_buckets()
+    rng = random.Random(1)
+    for _ in range(60):
+        extents = [rng.choice((3, 9, 20, 31, 40, 70, 130, 300)) for _ in range(rng.randint(2, 7))]
+        width = prompts.at_least(max(extents))
+        rows = batches.at_least(len(extents))
+        ordered = sorted(extents)
+
+        def price(cuts: tuple[int, ...], ordered: list[int] = ordered) -> int:
+            bounds = [0, *cuts, len(ordered)]
+            runs = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+            return sum(
+                batches.at_least(b - a) * prompts.at_least(ordered[b - 1])
+                + (prompts.at_least(ordered[b - 1]) if a else 0)
+                for a, b in runs
+            )
+
+        best = min(price(c) for r in range(len(ordered)) for c in itertools.combinations(range(1, len(ordered)), r))
+        planned = groups.plan(extents, width, prompts, batches, rows)
+        if planned is None:
+            assert best >= rows * width or best == price(())  # one call is no dearer
+            continue
+        assert sorted(r for g in planned for r in g.rows) == list(range(len(extents)))  # every row, once
+        assert all(extents[r] <= g.bucket for g in planned for r in g.rows)
+        cost = sum(g.padded_rows * g.bucket for g in planned) + sum(g.bucket for g in planned[1:])
+        assert cost == best and best < rows * width, (extents, planned)
+
+
+@pytest.mark.one_pair
+def test_fit_fits_training_and_serving_buckets_from_their_own_records(records, monkeypatch) -> None:
+    key = "qwen3-00000000000000bb"
+    for size, rows in ((100, 6), (120, 2), (300, 1)):
+        records.note(key, "train_buckets", size, rows)
+        records.note(key, "serving_token_buckets", size // 4, rows)
+    records.flush()
+    records.reset()
+    monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "fit")
+    monkeypatch.setenv("ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS", "fit")
+    # Powers of two reach 128 and 512 for 100/120/300: two buckets; the cheapest two are 120 (8 rows) and 300.
+    assert tuple(resolve_policy(512, key).buckets) == (120, 300, 512)
+    served = shapes.buckets(
+        "serving_token_buckets", {}, "token_buckets", lambda: shapes.pow2(16, 512, "serving_token_buckets"), record=key
+    )
+    assert tuple(served) == (30, 75, 128, 256, 512)  # 25/30/75 reach 32 and 128: two buckets, then powers of two
+    assert tuple(resolve_policy(512, None).buckets) != (120, 300, 512)  # no record key (no config): pow2

@@ -34,8 +34,10 @@ __all__ = [
     "hookimpl",
     "is_warming_up",
     "moe_stats",
+    "padding_stats",
     "precompile",
     "reset_moe_stats",
+    "reset_padding_stats",
     "reset_speculation_stats",
     "speculation_stats",
     "status",
@@ -59,6 +61,24 @@ def status() -> Status:
     from .status_report import collect
 
     return collect()
+
+
+def padding_stats() -> dict[str, dict[str, int]]:
+    """Positions computed on Neuron, and how many were real, per call family since the process started.
+
+    ``{"generate_prefill": {"computed": ..., "real": ...}, "generate_decode": ..., "forward": ..., "training": ...,
+    "serving": ...}``: computed / real is what padding to buckets costs (1.0: none). See docs/generation.md.
+    """
+    from .padding import padding_stats as stats
+
+    return stats()
+
+
+def reset_padding_stats() -> None:
+    """Zero :func:`padding_stats`."""
+    from .padding import reset_padding_stats as reset
+
+    reset()
 
 
 def disable_bucketing(model: Any, disabled: bool = True) -> Any:

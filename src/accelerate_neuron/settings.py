@@ -12,10 +12,11 @@ A setting's value comes from, in order:
 4. the built-in default.
 
 The same words mean the same thing everywhere: a bucket list is ``pow2``,
-``off`` (also ``0``/``no``/``none``/``false``) or strictly ascending positive
-integers; a switch is ``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/
-``no``. A bad value raises :class:`SettingError` naming the setting, the value,
-where it came from and what is allowed.
+``fit`` (fitted to the sizes the job recorded), ``off`` (also
+``0``/``no``/``none``/``false``) or strictly ascending positive integers; a
+switch is ``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``. A bad
+value raises :class:`SettingError` naming the setting, the value, where it came
+from and what is allowed.
 
 This module is part of the base layer: it imports nothing heavy (it runs on
 ``import torch``) and the simulator may use it too.
@@ -36,11 +37,14 @@ PREFIX = "ACCELERATE_NEURON_"
 ON_WORDS = frozenset({"1", "on", "true", "yes"})
 OFF_WORDS = frozenset({"0", "off", "false", "no", "none"})
 POW2 = "pow2"
+#: A bucket list fitted to the sizes the job's calls recorded (``builtin/shapes/record.py``).
+FIT = "fit"
 #: The largest bucket a setting accepts: a Neuron shape's sizes are 32-bit (the compiler downcasts int64 to int32),
 #: and a value past it fails deep inside torch instead of here.
 MAX_BUCKET = 2**31 - 1
 
-#: A bucket list: ``"pow2"`` (the capability's powers of two) or ascending ints; ``()`` is off.
+#: A bucket list: ``"pow2"`` (the capability's powers of two), ``"fit"`` (fitted to the recorded sizes) or
+#: ascending ints; ``()`` is off.
 BucketSpec = str | tuple[int, ...]
 
 
@@ -81,13 +85,13 @@ def parse_switch(value: Any) -> bool:
 
 
 def parse_buckets(value: Any) -> BucketSpec:
-    """``"pow2"``, ``()`` for off, or a strictly ascending tuple of positive ints."""
+    """``"pow2"``, ``"fit"``, ``()`` for off, or a strictly ascending tuple of positive ints."""
     if value is False or value is None:
         return ()
     if isinstance(value, str):
         text = _words(value)
-        if text == POW2:
-            return POW2
+        if text in (POW2, FIT):
+            return text
         if text in OFF_WORDS:
             return ()
         parts = [p.strip() for p in text.split(",")]
@@ -345,7 +349,10 @@ class Setting:
         return "unset" if self.default in (None, "") else f"`{self.default}`"
 
 
-_BUCKETS = "`pow2`, `off`, or strictly ascending positive integers separated by commas"
+_BUCKETS = (
+    "`pow2`, `fit` (fitted to the sizes this job's calls recorded), `off`, or strictly ascending positive integers "
+    "(at most 2147483647) separated by commas"
+)
 _SWITCH = "1, on, true or yes; 0, off, false or no"
 
 SETTINGS: tuple[Setting, ...] = (
@@ -462,6 +469,18 @@ SETTINGS: tuple[Setting, ...] = (
         "(`prompt_lookup_num_tokens=`) on Neuron run the draft and the target compiled, each on a static KV cache "
         "rolled back by position, at a few bucketed widths; `0` leaves them to upstream's loop (a dynamic cache, "
         "eager, new op shapes every token).",
+        "generation",
+        default_text="on",
+    ),
+    Setting(
+        "group_rows",
+        parse_switch,
+        True,
+        _SWITCH,
+        "Rows of one batch whose lengths fall in different length buckets run group by group, each group at its "
+        "own bucket and batch bucket: `generate()`'s prefill (greedy and sampling calls; decode steps still run the "
+        "batch together) and right-padded inference calls. More graphs (one per group shape) for fewer positions "
+        "computed; `0` runs every row at its longest row's bucket.",
         "generation",
         default_text="on",
     ),

@@ -540,6 +540,19 @@ def _compile_cache(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
+def _padding(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Positions computed and real per call family, summed over the processes, with their ratio."""
+    total: dict[str, dict[str, Any]] = {}
+    for record in records:
+        for family, counts in (record.get("padding") or {}).items():
+            entry = total.setdefault(family, {"computed": 0, "real": 0})
+            entry["computed"] += int(counts.get("computed", 0))
+            entry["real"] += int(counts.get("real", 0))
+    for entry in total.values():
+        entry["ratio"] = round(entry["computed"] / entry["real"], 3) if entry["real"] else None
+    return {family: entry for family, entry in total.items() if entry["computed"]}
+
+
 def build_report(
     records: list[dict[str, Any]],
     *,
@@ -619,6 +632,7 @@ def build_report(
         "h2d_bytes": sum(p["h2d_bytes"] for p in processes),
         "d2h_bytes": sum(p["d2h_bytes"] for p in processes),
         "d2d_bytes": sum(p["d2d_bytes"] for p in processes),
+        "padding": _padding(active),
         "cpu_fallbacks": _cpu_fallbacks(active),
         "host_op_graphs": host_op_graphs(active),
         "moe": moe_shapes(active),

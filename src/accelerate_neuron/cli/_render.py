@@ -224,6 +224,17 @@ def _host_op_graphs(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _padding(report: dict[str, Any]) -> list[str]:
+    families = report.get("padding") or {}
+    if not families:
+        return []
+    lines = _section("Padding: positions computed per real one (1.00: none; accelerate_neuron.padding_stats())")
+    for family, entry in families.items():
+        ratio = f"{entry['ratio']:.2f}" if entry.get("ratio") else "-"
+        lines.append(f"  {family}: {ratio} ({entry['computed']:,} computed, {entry['real']:,} real)")
+    return lines
+
+
 #: Experts' FLOPs over a sparse dispatch's above which the report suggests the blockwise experts.
 MOE_RATIO_HINT = 2.0
 
@@ -339,7 +350,7 @@ def render_dryrun(report: dict[str, Any]) -> str:
         f"Transfers: host->device {size(report['h2d_bytes'])}, device->host {size(report['d2h_bytes'])}, "
         f"device->device {size(report['d2d_bytes'])}"
     )
-    lines += _fallbacks(report) + _host_op_graphs(report) + _moe(report) + _speculation(report)
+    lines += _padding(report) + _fallbacks(report) + _host_op_graphs(report) + _moe(report) + _speculation(report)
     lines += _causes(report) + _steps(report) + _breaks(report)
     lines += _estimate(report)
     return "\n".join(lines)

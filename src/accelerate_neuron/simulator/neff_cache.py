@@ -63,6 +63,9 @@ REAL_DEFAULT_DIR = "/tmp/neff_cache"
 SIMULATED_DIR_NAME = "simulated-neff-cache"
 #: A root carrying this file belongs to the simulator.
 MARKER = "ACCELERATE_NEURON_SIMULATED_NEFF_CACHE"
+#: The plugin's shape records kept beside the compiled graphs (``builtin/shapes/record.py``): a root holding only
+#: them is still empty of NEFFs, so the simulator may claim it.
+SHAPE_RECORDS = "accelerate-neuron-shapes"
 EXTENSION = ".neff"
 MAGIC = b"accelerate-neuron simulated NEFF 1\n"
 #: An entry is a small JSON record (a few hundred bytes): anything larger is refused unread.
@@ -376,7 +379,7 @@ class NeffCache:
             if os.path.lexists(marker):
                 trust.read_file(marker, limit=4096, shared=self.shared)
                 return None
-            if not self.root.exists() or not any(self.root.iterdir()):
+            if not self.root.exists() or not any(entry.name != SHAPE_RECORDS for entry in self.root.iterdir()):
                 return None
         except trust.Untrusted as exc:
             return f"its marker file is refused: {exc}"

@@ -352,7 +352,7 @@ def _track_models() -> None:
 
 def collect() -> dict[str, Any]:
     """This process's dry-run record: simulator counters, models, launch identity."""
-    from .. import backend_metrics, moe_accounting, speculation_accounting
+    from .. import backend_metrics, moe_accounting, padding, speculation_accounting
     from . import stats
 
     counters = stats()
@@ -372,6 +372,8 @@ def collect() -> dict[str, Any]:
         # What the backend's own functions say (torch.neuron.get_dynamo_metrics(), torch_neuronx.metrics,
         # torch_neuronx.get_fallback_ops()): the report reads these as it would on Trainium.
         "backend": backend_metrics.snapshot().as_dict(),
+        # Positions computed and real per call family (what bucketing cost), counted by the plugin side.
+        "padding": padding.padding_stats(),
         "models": _tracker.models() if _tracker is not None else [],
         # Mixture-of-experts calls: the experts' FLOPs per call shape against a sparse dispatch.
         "moe": moe_accounting.snapshot(),

@@ -28,7 +28,8 @@ import torch
 from ... import logs, settings
 from ...plugins import call_hook
 from ..compile_options import compile_config
-from ..shapes import Buckets, max_positions, round_up_pow2
+from ..shapes import Buckets, max_positions, note, pow2, record_key, round_up_pow2
+from ..shapes.record import fitted_buckets
 from .devices import split_across_devices
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ STATIC_CACHE_ENV = settings.env_name("static_cache")
 BUCKETS_ENV = settings.env_name("cache_buckets")
 #: Smallest power-of-two bucket: shorter caches cost next to nothing and would add graphs.
 MIN_POW2_BUCKET = 64
+#: Without a known context length, ``fit``'s catch-all cache bucket.
+DEFAULT_MAX_CACHE = 8192
 # Greedy/sampling/beam loops work with a static cache on both supported
 # releases; assisted and contrastive decoding roll the cache back (dynamic only).
 _STATIC_MODES = frozenset({"greedy_search", "sample", "beam_search", "beam_sample"})
@@ -75,7 +78,12 @@ def cache_length(model: Any, requested: int) -> int:
     ``neuron_static_cache_length`` hook answers (built-in: powers of two).
     """
     limit = max_positions(model)
+    record = record_key(model)
+    note(record, "cache_buckets", requested)
     chosen = settings.explicit("cache_buckets")
+    if chosen is not None and chosen.value == settings.FIT:
+        fitted = fitted_buckets(record, "cache_buckets", lambda: pow2(MIN_POW2_BUCKET, limit or DEFAULT_MAX_CACHE))
+        return bucket_length(requested, limit, fitted)
     if chosen is not None:
         return bucket_length(requested, limit, chosen.value)
     answer = call_hook("neuron_static_cache_length", requested=requested, max_position_embeddings=limit)

@@ -44,6 +44,7 @@ from ... import logs, settings
 from .. import layer_regions as regions
 from .. import scope, shapes
 from . import devices, encoder_decoder, padding
+from . import groups as prefill_groups
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,10 @@ class GenerateCall:
     compiled_forward: Callable[..., Any] | None = None  # what upstream's loop calls for a compiled forward
     first_step_routable: bool = False  # the first step is upstream's uncompiled ``self(...)`` (greedy, sampling)
     _unroute: Callable[[], None] | None = None  # undoes a first step routed to the compiled call, if it never ran
+    record: str | None = None  # the model's shape record (the sizes its calls see, for fitted buckets)
+    may_group: bool = False  # the prefill may run group by group (rows of different prompt buckets)
+    groups: list[prefill_groups.Group] | None = None  # the groups the prefill runs as (None: one prefill)
+    prefill_on_host: bool = False  # the prefill's inputs stay on the host, for the groups to take their share
 
     @property
     def padded(self) -> bool:
@@ -129,7 +134,8 @@ class GenerateCall:
         if reason is not None:
             logger.debug("accelerate_neuron: generate() prompt/batch buckets off for this call: %s", reason)
             return
-        policy = shapes.resolve_policy(shapes.max_positions(self.model))
+        self.record = shapes.record_key(self.model)
+        policy = shapes.resolve_policy(shapes.max_positions(self.model), self.record)
         if not policy.prompt_buckets and not policy.batch_buckets:
             return
         self.policy = policy
@@ -142,8 +148,11 @@ class GenerateCall:
         if self.prompt > 1 and hasattr(generation_config, "prefill_chunk_size"):
             generation_config.prefill_chunk_size = self.prompt
             self.chunked = True
-        self.may_add_rows = (
-            self.chunked and bool(policy.batch_buckets) and mode in _ROW_MODES and self.compiles(generation_config)
+        compiles = self.chunked and self.compiles(generation_config)
+        self.may_add_rows = compiles and bool(policy.batch_buckets) and mode in _ROW_MODES
+        # Greedy and sampling prefill through the compiled call on every release (4.x's beam search does not).
+        self.may_group = (
+            compiles and bool(policy.prompt_buckets) and mode in _ROW_MODES and settings.get("group_rows")
         )
         self.filler = shapes.pad_id(self.model.config, vocab=getattr(self.model.config, "vocab_size", None))
 
@@ -185,9 +194,14 @@ class GenerateCall:
 
     def rows_confirmed(self, model_kwargs: dict[str, Any], generation_config: Any) -> bool:
         """After the cache is built: False (and the rows given up) if upstream will not compile after all."""
-        if not self.dummy or self.model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        if not (self.dummy or self.may_group) or self.model._valid_auto_compile_criteria(
+            model_kwargs, generation_config
+        ):
             return True
         logger.debug("accelerate_neuron: generate() will not run compiled after all: batch buckets off for this call")
+        self.may_group = False  # the groups' prefill runs in the compiled call too
+        if not self.dummy:
+            return True
         self.dummy = 0
         self.may_add_rows = False
         for key in ("cache", "past_key_values"):
@@ -240,9 +254,49 @@ class GenerateCall:
             # Upstream runs the first step uncompiled; an encoder-decoder's differs from the later ones only by
             # filling the cross-attention cache: one graph more instead of every op of a step run eagerly.
             self._unroute = encoder_decoder.route_next_call(self.model, self.compiled_forward)
+        if first:
+            self._plan_prefill(args, kwargs)
+        padding.count_positions(self, first, args, kwargs)
         if not (self.padded or self.chunked):
             return args, kwargs
         return padding.pad_forward_inputs(self, first, args, kwargs)
+
+    def _plan_prefill(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before the prefill: which groups it runs as (rows of different prompt buckets), and the sizes noted."""
+        if self.policy is None or not self.prompt:
+            return
+        ids = args[0] if args else kwargs.get("input_ids")
+        rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else self.batch
+        row_extents = self._extents(kwargs.get("attention_mask"), rows)
+        self.groups = self._groups(row_extents, rows)
+        self.prefill_on_host = self.groups is not None
+        for extent in row_extents:  # the sizes the prompt buckets apply to: each row's, grouped
+            shapes.note(self.record, "prompt_buckets", extent)
+        for size in [len(g.rows) for g in self.groups] if self.groups else [rows]:
+            shapes.note(self.record, "batch_buckets", size)
+
+    def prefill_shapes(self, model_kwargs: dict[str, Any], rows: int) -> list[list[int]] | None:
+        """The (rows, columns) of each group the prefill will run as, before it runs (the warm-up's keys)."""
+        if self.policy is None or not self.prompt:
+            return None
+        return prefill_groups.shapes_of(self._groups(self._extents(model_kwargs.get("attention_mask"), rows), rows))
+
+    def _extents(self, mask: Any, rows: int) -> list[int]:
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.device.type == "cpu" and mask.shape[0] == rows:
+            return prefill_groups.extents(mask, self.prompt or 0)
+        return [self.prompt or 0] * rows
+
+    def _groups(self, row_extents: list[int], rows: int) -> list[prefill_groups.Group] | None:
+        if not self.may_group or self.policy is None or self.sampling is not None:
+            # Sampling on the device takes the whole batch's logits from one prefill (see :meth:`compiled`).
+            return None
+        return prefill_groups.plan(
+            row_extents,
+            self.prompt + self.pad,
+            self.policy.prompt_buckets,
+            self.policy.batch_buckets,
+            rows + self.dummy,
+        )
 
     def choose_greedy(self, input_ids: Any, logits_processor: Any, config: Any) -> bool:
         """Whether ``_sample`` may pick the argmax on the device and bring back one id per row.
@@ -276,21 +330,33 @@ class GenerateCall:
         return call_with_compiled_layers
 
     def compiled(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        """Upstream's compiled forward, followed by the greedy pick on the device or the dummy rows' cut."""
-        if self.padded and not self.regional:
+        """Upstream's compiled forward (the prefill group by group when :attr:`groups` says so), followed by the
+        greedy pick on the device or the dummy rows' cut."""
+        if (self.padded or self.may_group) and not self.regional:
             shapes.make_room_for_buckets()
         greedy = self.greedy
-        if self.sampling is not None or (not greedy and not self.dummy):
+        if self.sampling is not None or (not greedy and not self.dummy and not self.may_group):
             # Sampling on the device picks from the logits where they are (dummy rows included) afterwards.
             self.compiled_forward = call
             return call
         rows = self.batch if self.dummy else None
 
         def compiled_then_select(*args: Any, **kwargs: Any) -> Any:
+            if self.prefill_on_host:
+                self.prefill_on_host = False
+                if not args and self.groups and prefill_groups.groupable(kwargs):
+                    outputs = prefill_groups.prefill(
+                        call, kwargs, self.groups, self.prompt + self.pad, self.device, greedy, self.model.config
+                    )
+                    return shapes.last_logits_of_rows(outputs, self.batch, self.batch + self.dummy)
+                self.groups = None  # not a prefill the groups can take apart: it runs as one, on the device
+                args, kwargs = devices.move(args, self.device), devices.move(kwargs, self.device)
             outputs = call(*args, **kwargs)
             if greedy:
                 return devices.select_greedy(outputs, rows)
-            return shapes.last_logits_of_rows(outputs, self.batch, self.batch + self.dummy)
+            if self.dummy:
+                return shapes.last_logits_of_rows(outputs, self.batch, self.batch + self.dummy)
+            return outputs
 
         self.compiled_forward = compiled_then_select
         return compiled_then_select

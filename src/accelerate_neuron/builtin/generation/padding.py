@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ... import padding as _padding
 from .. import shapes
 
 if TYPE_CHECKING:
@@ -56,6 +57,37 @@ def _chunk_arange_positions(position_ids: Any, cache_position: Any) -> bool:
     if position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] != cache_position.numel():
         return False
     return torch.equal(position_ids[0].cpu(), cache_position.reshape(-1).cpu())
+
+
+def count_positions(call: GenerateCall, first: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Count one forward in :mod:`accelerate_neuron.padding` (before it is padded): the prefill's rows x columns
+    computed against the tokens the caller's mask keeps there (a mask kept on the device is not read: every
+    position counts as real); a decode step's rows against the caller's rows."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return
+    rows = int(ids.shape[0])
+    cache_position = kwargs.get("cache_position")
+    if isinstance(cache_position, torch.Tensor) and cache_position.dim() == 1:
+        columns = int(cache_position.numel())
+    else:
+        columns = int(ids.shape[1]) if first else 1
+    if not first or getattr(call.model.config, "is_encoder_decoder", False):  # an encoder's input: counted there
+        _padding.add("generate_decode", rows + call.dummy, rows)
+        return
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == rows and mask.device.type == "cpu":
+        seen = mask[:, cache_position.cpu()] if isinstance(cache_position, torch.Tensor) else mask[:, -columns:]
+        real = int(seen.sum())
+    else:
+        real = rows * columns
+    width = columns + call.pad  # the prefill's columns, padded
+    if call.groups:  # each group at its own bucket's share of them
+        offset = call.prompt + call.pad - width if call.prompt else 0
+        computed = sum(g.padded_rows * (g.bucket - offset) for g in call.groups)
+    else:
+        computed = (rows + call.dummy) * width
+    _padding.add("generate_prefill", computed, real)
 
 
 def pad_forward_inputs(
@@ -104,14 +136,29 @@ def pad_forward_inputs(
 # --- encoder-decoder models: the encoder input length ---------------------------------------------
 
 
-def encoder_pad(inputs_tensor: Any, generation_config: Any) -> int:
-    """Columns to append to the token input of an encoder on Neuron (0: leave it as it is)."""
+def encoder_pad(model: Any, inputs_tensor: Any, generation_config: Any) -> int:
+    """Columns to append to the token input of ``model``'s encoder on Neuron (0: leave it as it is)."""
     if not isinstance(inputs_tensor, torch.Tensor) or inputs_tensor.dim() != 2 or inputs_tensor.is_floating_point():
         return 0
     if returns_padded_shapes(generation_config):
         return 0
-    length = inputs_tensor.shape[1]
-    return shapes.resolve_policy(None).prompt_buckets.pad_to(length, "generate()", "prompt length") - length
+    rows, length = inputs_tensor.shape
+    record = shapes.record_key(model)
+    shapes.note(record, "prompt_buckets", length, rows)
+    return shapes.resolve_policy(None, record).prompt_buckets.pad_to(length, "generate()", "prompt length") - length
+
+
+def count_encoder_positions(inputs_tensor: Any, mask: Any, pad: int) -> None:
+    """Count an encoder's input (the prefill of an encoder-decoder call): rows x padded length computed against
+    the tokens the caller's mask keeps."""
+    if not isinstance(inputs_tensor, torch.Tensor) or inputs_tensor.dim() != 2:
+        return
+    rows, length = inputs_tensor.shape
+    if isinstance(mask, torch.Tensor) and mask.shape == inputs_tensor.shape and mask.device.type == "cpu":
+        real = int(mask.sum())
+    else:
+        real = rows * length
+    _padding.add("generate_prefill", rows * (length + pad), real)
 
 
 def pad_encoder_inputs(

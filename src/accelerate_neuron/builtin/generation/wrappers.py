@@ -78,9 +78,12 @@ def forward_inputs_on(model: Any, dev: Any) -> Iterator[None]:
             call = current(model)
             if call is not None:
                 args, kwargs = call.forward_inputs(args, kwargs)
+            prepared = inner(*args, **kwargs)
             if draft.is_drafting(model):  # a speculative draft's forward runs on its runner, from host tensors
-                return inner(*args, **kwargs)
-            return devices.move(inner(*args, **kwargs), dev)
+                return prepared
+            if call is not None and call.prefill_on_host:
+                return prepared  # the prefill's groups take their rows on the host (see .groups)
+            return devices.move(prepared, dev)
 
         return mover
 
@@ -286,7 +289,8 @@ def wrap_encoder_kwargs(original: Callable[..., Any]) -> Callable[..., Any]:
             )
         except TypeError:
             generation_config = None
-        pad = padding.encoder_pad(inputs_tensor, generation_config)
+        pad = padding.encoder_pad(self, inputs_tensor, generation_config)
+        padding.count_encoder_positions(inputs_tensor, model_kwargs.get("attention_mask"), pad)
         if pad:
             # The encoder runs once per call: bucketing its length keeps its eager ops and the decoder's
             # cross-attention graphs to one shape per bucket. model_kwargs keeps the padded mask for the decoder.

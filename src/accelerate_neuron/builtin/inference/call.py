@@ -37,18 +37,21 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ... import logs, settings
+from ... import padding as _padding
 from ...plugins import call_hook
 from .. import layer_regions as regions
 from .. import scope, shapes
 from ..compile_options import compile_options
 from ..model_devices import model_device
 from ..shapes import Cut, Unplaced
+from ..shapes import groups as shape_groups
+from ..shapes.cut import assemble
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ _FLAGS = frozenset({"output_attentions", "output_hidden_states", "return_dict", 
 OPT_OUT_ATTR = "_accelerate_neuron_unbucketed"
 #: Set on a model whose outputs could not be cut back once: its calls run unpadded from then on.
 UNPLACED_ATTR = "_accelerate_neuron_unplaced"
+#: Set on a model whose outputs could not be put together from row groups once: its batches run as one from then on.
+UNGROUPED_ATTR = "_accelerate_neuron_ungrouped"
 
 
 def disable(model: Any, disabled: bool = True) -> Any:
@@ -96,6 +101,10 @@ class ForwardCall:
     tokens: bool = True  # token inputs (lengths bucketed); False: images or audio (only the batch is)
     padded_rows: int = 0
     padded_length: int = 0
+    real: int = 0  # positions of the caller's that its attention mask keeps
+    groups: list[shape_groups.Group] | None = None  # rows run group by group, each at its own bucket (None: one)
+    host: dict[str, torch.Tensor] = field(default_factory=dict)  # the caller's inputs, on the host, unpadded
+    fills: dict[str, int] = field(default_factory=dict)  # each input's pad value
 
     @classmethod
     def open(cls, model: Any, inputs: Mapping[str, torch.Tensor], others: Mapping[str, Any]) -> ForwardCall | None:
@@ -152,27 +161,62 @@ class ForwardCall:
     # ------------------------------------------------------------------ padding
 
     def pad(self) -> dict[str, torch.Tensor]:
-        """The inputs at the bucketed shape, on the model's core."""
-        policy = shapes.resolve_policy(shapes.max_positions(self.model))  # capped at the model's positions
+        """The inputs at the bucketed shape, on the model's core (when the rows run in groups: the caller's inputs
+        on the host, which :meth:`run` takes each group's share of)."""
+        record = shapes.record_key(self.model)
+        policy = shapes.resolve_policy(shapes.max_positions(self.model), record)  # capped at the model's positions
         if self.tokens:
             self.padded_length = policy.prompt_buckets.pad_to(self.length, "an inference call", "sequence length")
         self.padded_rows = policy.batch_buckets.pad_to(self.rows, "an inference call", "batch size")
-        inputs = dict(self.inputs)
-        if self.padded_rows == self.rows and self.padded_length == self.length:  # nothing to pad: no host trip
-            return {name: value.to(self.device) for name, value in inputs.items()}
-        if "attention_mask" not in inputs and self.padded_length > self.length:
-            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        if not self.tokens:  # images and audio keep their size: rows only
+            shapes.note(record, "batch_buckets", self.rows)
+            self.real = 0
+            if self.padded_rows == self.rows:  # nothing to pad: no host trip
+                return {name: value.to(self.device) for name, value in self.inputs.items()}
+            return {
+                name: shapes.add_rows(value.to("cpu"), self.padded_rows).to(self.device)
+                for name, value in self.inputs.items()
+            }
         config = getattr(self.model, "config", None)
-        fills = shapes.pad_values(
+        self.fills = shapes.pad_values(
             shapes.pad_id(config, vocab=getattr(config, "vocab_size", None)), keys=SEQUENCE_INPUTS
         )
-        padded = {}
-        for name, value in inputs.items():
-            host = value.to("cpu")  # padded on the host: no device op sees the real length
-            if self.tokens:  # images and audio keep their size: rows only
-                host = shapes.pad_columns(host, self.padded_length, fills[name])
-            padded[name] = shapes.add_rows(host, self.padded_rows).to(self.device)
-        return padded
+        # Padded on the host: no device op sees the real length.
+        self.host = {name: value.to("cpu") for name, value in self.inputs.items()}
+        mask = self.host.get("attention_mask")
+        self.real = int(mask.sum()) if mask is not None else self.rows * self.length
+        if mask is None and self.padded_length > self.length:
+            self.host["attention_mask"] = torch.ones_like(self.host["input_ids"])
+        extents = shape_groups.right_padded_extents(mask) if mask is not None else None
+        if extents is not None and not getattr(self.model, UNGROUPED_ATTR, False) and settings.get("group_rows"):
+            self.groups = shape_groups.plan(
+                extents, self.padded_length, policy.prompt_buckets, policy.batch_buckets, self.padded_rows
+            )
+        for size in extents or [self.length] * self.rows:  # the sizes the buckets apply to: each row's
+            shapes.note(record, "prompt_buckets", size)
+        for size in [len(g.rows) for g in self.groups] if self.groups else [self.rows]:
+            shapes.note(record, "batch_buckets", size)
+        return dict(self.host) if self.groups else self._padded(range(self.rows), self.padded_rows, self.padded_length)
+
+    def _padded(self, rows: Any, padded_rows: int, columns: int) -> dict[str, torch.Tensor]:
+        """The inputs of ``rows`` at ``columns`` columns (cut or padded), ``padded_rows`` rows, on the model's core."""
+        index = list(rows)
+        out = {}
+        for name, host in self.host.items():
+            value = host[index] if len(index) != host.shape[0] else host
+            value = shapes.pad_columns(value[:, :columns], columns, self.fills[name])
+            value = shapes.add_rows(value, padded_rows)  # copies of row 0: none all padding
+            # A one-row cut keeps the host batch's row stride (a size-1 dim counts as contiguous), and Dynamo guards
+            # on strides: without a fresh layout the same group shape compiles again for every batch width.
+            out[name] = value.clone(memory_format=torch.contiguous_format).to(self.device)
+        return out
+
+    @property
+    def computed(self) -> int:
+        """Positions this call computes."""
+        if self.groups:
+            return sum(g.padded_rows * g.bucket for g in self.groups)
+        return self.padded_rows * self.padded_length
 
     @property
     def changes_shapes(self) -> bool:
@@ -181,11 +225,34 @@ class ForwardCall:
     # ------------------------------------------------------------------ the forward
 
     def run(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``call`` (the model's own ``__call__``, bound) on the padded inputs, compiled unless split; cut back."""
+        """``call`` (the model's own ``__call__``, bound) on the padded inputs, compiled unless split; cut back.
+
+        With :attr:`groups`, once per group on its rows at its bucket; the outputs are put back in row order at the
+        batch's bucketed shape (:func:`..shapes.cut.assemble`), then cut. Outputs that cannot be put together so
+        (a scalar) make this model's calls run as one batch from then on.
+        """
         forward = compiled_call(self.model, call) if self.compiled else call
         with scope.owned_by(self), regions.compiled_layers(self.model) if self.regional else contextlib.nullcontext():
+            if self.groups:
+                try:
+                    parts = []
+                    for group in self.groups:
+                        group_args, group_kwargs = _replaced(args, kwargs, self._group_inputs(group))
+                        parts.append(forward(*group_args, **group_kwargs))
+                    outputs = assemble(parts, self.groups, self.padded_rows, self.padded_length)
+                    return Cut(self.rows, self.length, self.padded_rows, self.padded_length)(outputs)
+                except Unplaced as exc:
+                    object.__setattr__(self.model, UNGROUPED_ATTR, str(exc))
+                    _skip(self.model, f"its outputs cannot be put together from row groups ({exc})")
+                    self.groups = None
+                    args, kwargs = _replaced(
+                        args, kwargs, self._padded(range(self.rows), self.padded_rows, self.padded_length)
+                    )
             outputs = forward(*args, **kwargs)
         return Cut(self.rows, self.length, self.padded_rows, self.padded_length)(outputs)
+
+    def _group_inputs(self, group: shape_groups.Group) -> dict[str, torch.Tensor]:
+        return self._padded(group.rows, group.padded_rows, group.bucket)
 
     def announce(self) -> None:
         if not self.tokens:
@@ -284,15 +351,18 @@ def bucketed(
     """(True, what ``run(call, padded)`` returns) for a call that can be bucketed, else (False, None)."""
     call = ForwardCall.open(model, inputs, others)
     if call is None:
+        _count_as_is(model, inputs)
         return False, None
     try:
         padded = call.pad()
         if not call.changes_shapes and not call.compiled and not call.regional:
+            _padding.add("forward", call.rows * call.length, call.real)
             return False, None
         outputs = run(call, padded)
     except Unplaced as exc:
         object.__setattr__(model, UNPLACED_ATTR, str(exc))
         _skip(model, f"its outputs cannot be cut back to the caller's shapes ({exc})")
+        _padding.add("forward", call.rows * call.length, call.real)
         return False, None
     except torch.OutOfMemoryError as exc:
         # The bucket's shape needs more memory than the caller's: that call runs as upstream would have.
@@ -309,9 +379,31 @@ def bucketed(
             settings.env_name("prompt_buckets"),
             str(exc).splitlines()[0],
         )
+        _padding.add("forward", call.rows * call.length, call.real)
         return False, None
+    _padding.add("forward", call.computed, call.real)
     call.announce()
     return True, outputs
+
+
+def _replaced(
+    args: tuple[Any, ...], kwargs: dict[str, Any], inputs: Mapping[str, torch.Tensor]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments with its inputs replaced: keyword arguments (a model's call) or the features dict that is
+    its one positional argument (sentence-transformers)."""
+    if args and isinstance(args[0], Mapping) and set(inputs) & set(args[0]):
+        return ({**args[0], **inputs}, *args[1:]), kwargs
+    return args, {**kwargs, **{k: v for k, v in inputs.items() if k in kwargs or k == "attention_mask"}}
+
+
+def _count_as_is(model: Any, inputs: Mapping[str, Any]) -> None:
+    """Count an inference call of a model on Neuron that runs at the caller's own shape."""
+    ids = inputs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or model_device(model) is None:
+        return
+    mask = inputs.get("attention_mask")
+    host_mask = isinstance(mask, torch.Tensor) and mask.shape == ids.shape and mask.device.type == "cpu"
+    _padding.add("forward", ids.numel(), int(mask.sum()) if host_mask else ids.numel())
 
 
 @functools.lru_cache(maxsize=256)

@@ -32,7 +32,7 @@ from ... import device as neuron_device
 from ... import logs, settings
 from ...sizes import format_size
 from ..compile_options import compile_config
-from ..shapes import Buckets, buckets, hook_answer
+from ..shapes import Buckets, buckets, hook_answer, record_key
 from ..shapes import pow2 as pow2_buckets
 from ..upstream_features import CB, without_step_padding
 
@@ -69,6 +69,7 @@ class ServingPlan:
     compiled: bool = True  # steps padded and compiled (False: buckets off, upstream's eager path)
     queries_by_interval: bool = False  # the caller set q_padding_interval_size: upstream pads queries
     kv_by_interval: bool = False  # the caller set kv_padding_interval_size: upstream pads KV reads
+    record: str | None = None  # the model's shape record (the step sizes it sees, for fitted buckets)
 
     def __post_init__(self) -> None:  # plain lists are accepted (a plugin's, a test's): checked as buckets
         object.__setattr__(self, "token_buckets", Buckets(self.token_buckets, "serving_token_buckets"))
@@ -134,21 +135,24 @@ def resolve(config: Any, device: Any) -> ServingPlan:
     cache_tokens = _fitting_cache_tokens(
         settings.resolve("serving_kv_cache_tokens", hook=lambda: answer.get("kv_cache_tokens")), per_token, device
     )
+    record = record_key(config)
     tokens = buckets(
         "serving_token_buckets",
         answer,
         "token_buckets",
         lambda: pow2_buckets(MIN_TOKEN_BUCKET, MAX_TOKEN_BUCKET, "serving_token_buckets"),
+        record=record,
     )
     kv = buckets(
         "serving_kv_buckets",
         answer,
         "kv_buckets",
         lambda: pow2_buckets(MIN_KV_BUCKET, cache_tokens, "serving_kv_buckets"),
+        record=record,
     )
     if not tokens or not kv:
-        return ServingPlan(Buckets(), Buckets(), cache_tokens, compiled=False)
-    return ServingPlan(token_buckets=tokens, kv_buckets=kv, kv_cache_tokens=cache_tokens)
+        return ServingPlan(Buckets(), Buckets(), cache_tokens, compiled=False, record=record)
+    return ServingPlan(token_buckets=tokens, kv_buckets=kv, kv_cache_tokens=cache_tokens, record=record)
 
 
 def _fitting_cache_tokens(chosen: settings.Value, per_token: int, device: Any) -> int:

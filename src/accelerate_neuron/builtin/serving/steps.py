@@ -23,16 +23,18 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import logs
+from ... import padding as _padding
 from .. import compile_counter
 from .. import precompile_session as session
 from ..model_tag import model_tag
-from ..shapes import make_room_for_buckets
+from ..shapes import make_room_for_buckets, note
 from . import cache_update, warm_grid
 from . import plan as serving_plan
 
 logger = logging.getLogger(__name__)
 
 _WARMED = "_accelerate_neuron_warmed_grid"
+_WARMING = "_accelerate_neuron_warming"
 #: Graphs a step shape adds on a cold cache (precompile's ETA, the warm-up's estimate): the paged cache's update is
 #: traced into the step (:mod:`.cache_update`), so a step is one graph.
 GRAPHS_PER_SHAPE = 1
@@ -58,6 +60,10 @@ def wrap_maybe_pad_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
             padded_q = plan.token_bucket(num_q_tokens, self.cache.max_batch_tokens)
         if not plan.kv_by_interval:
             padded_kv = plan.kv_bucket(max_kv_read, self.cache.max_tokens_read)
+        if not getattr(self, _WARMING, False):  # a real step, not one of the warm-up's
+            _padding.add("serving", padded_q, num_q_tokens)
+            note(plan.record, "serving_token_buckets", num_q_tokens)
+            note(plan.record, "serving_kv_buckets", max(max_kv_read, 1))
         return padded_q, padded_kv
 
     return maybe_pad_inputs
@@ -83,24 +89,11 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
         warm = session.current()
         started = time.perf_counter()
         before = compile_counter.compile_count() if compile_counter.ensure_compile_counter() else None
-        for tokens, kv in shapes:
-            shape = {"model": model_tag(model), "tokens": tokens, "kv": kv}
-            if warm is not None and not warm.claim("continuous_batching", shape, GRAPHS_PER_SHAPE):
-                continue
-            shape_started = time.perf_counter()
-            # Upstream's own one-step warm-up, at exactly the bucket's sizes (so the step's ints match a real one).
-            # It logs and swallows any failure, returning 0 s: this shape then compiles when a step first needs it.
-            if not self.run_one_warmup(model=model, num_q_tokens=tokens, max_kv_read=kv):
-                logs.once(
-                    logger,
-                    ("serving.warmup_failed", tokens, kv),
-                    "accelerate_neuron: continuous batching could not warm the step of %d query tokens and %d KV "
-                    "tokens (see upstream's warning above): it will compile when a step first needs it.",
-                    tokens,
-                    kv,
-                )
-            elif warm is not None:
-                warm.done("continuous_batching", shape, time.perf_counter() - shape_started)
+        object.__setattr__(self, _WARMING, True)  # its steps are not the job's: not counted as padding
+        try:
+            _warm_grid(self, model, shapes, warm)
+        finally:
+            object.__setattr__(self, _WARMING, False)
         self.cache.reset()  # the warm-up's requests leave no block behind
         setattr(self, _WARMED, set(shapes))
         compiled = "" if before is None else f", {compile_counter.compile_count() - before} Dynamo compile(s)"
@@ -112,6 +105,28 @@ def wrap_warmup(original: Callable[..., Any]) -> Callable[..., Any]:
         )
 
     return warmup
+
+
+def _warm_grid(runner: Any, model: Any, shapes: list[tuple[int, int]], warm: Any) -> None:
+    """One upstream warm-up step per (query tokens, KV tokens) shape, each claimed when a precompile worker runs."""
+    for tokens, kv in shapes:
+        shape = {"model": model_tag(model), "tokens": tokens, "kv": kv}
+        if warm is not None and not warm.claim("continuous_batching", shape, GRAPHS_PER_SHAPE):
+            continue
+        shape_started = time.perf_counter()
+        # Upstream's own one-step warm-up, at exactly the bucket's sizes (so the step's ints match a real one).
+        # It logs and swallows any failure, returning 0 s: this shape then compiles when a step first needs it.
+        if not runner.run_one_warmup(model=model, num_q_tokens=tokens, max_kv_read=kv):
+            logs.once(
+                logger,
+                ("serving.warmup_failed", tokens, kv),
+                "accelerate_neuron: continuous batching could not warm the step of %d query tokens and %d KV "
+                "tokens (see upstream's warning above): it will compile when a step first needs it.",
+                tokens,
+                kv,
+            )
+        elif warm is not None:
+            warm.done("continuous_batching", shape, time.perf_counter() - shape_started)
 
 
 def wrap_compute_batch(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -14,7 +14,9 @@ The idea is written once, here:
 - :mod:`.pads`: what padding is filled with (one value per input name, one pad
   token id) and the padding itself;
 - :mod:`.cut`: outputs and KV caches cut back to the caller's shapes;
-- :mod:`.room`: room in Dynamo's recompile limit for the bucketed graphs.
+- :mod:`.room`: room in Dynamo's recompile limit for the bucketed graphs;
+- :mod:`.record` and :mod:`.fit`: the sizes a job's calls see, recorded beside
+  its compiled graphs, and the buckets fitted to them (a bucket setting's ``fit``).
 
 This package is a shared layer, not a plugin: any built-in plugin may import it,
 and it imports none of them (``tests/test_layout.py``).
@@ -36,6 +38,7 @@ from .policy import (
     pow2_prompt_buckets,
     resolve_policy,
 )
+from .record import note, record_key
 from .room import make_room_for_buckets
 
 __all__ = [
@@ -55,12 +58,14 @@ __all__ = [
     "last_logits_of_rows",
     "make_room_for_buckets",
     "max_positions",
+    "note",
     "pad_columns",
     "pad_id",
     "pad_values",
     "pow2",
     "pow2_batch_buckets",
     "pow2_prompt_buckets",
+    "record_key",
     "resolve_policy",
     "round_up_pow2",
     "sequence_dims",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +143,62 @@ class Cut:
             if hasattr(layer, "cumulative_length"):
                 raise Unplaced(f"a sliding-window {type(cache).__name__}")
         return cache
+
+
+def assemble(parts: Sequence[Any], groups: Sequence[Any], padded_rows: int, padded_length: int, name: str = "") -> Any:
+    """The outputs of a call run group by group (``parts[i]`` from ``groups[i]``, each ``padded_rows`` x ``bucket``)
+    as the batch's: ``padded_rows`` rows, each group's rows in their place, sequence dimensions at
+    ``padded_length`` (zeros past a group's bucket: positions its rows' masks keep out). Made on the device at
+    bucketed shapes only (zeros, pad, index_copy), so its eager ops are bounded by the buckets too.
+
+    Raises :class:`Unplaced` for an output that is not per row (a scalar, a cache) or that groups disagree on.
+    """
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return _assemble_tensor(parts, groups, padded_rows, padded_length, name)
+    if isinstance(first, Mapping):
+        out = dict(first) if type(first) is dict else copy.copy(first)
+        for key in list(first.keys()):
+            out[key] = assemble([p[key] for p in parts], groups, padded_rows, padded_length, key)
+        return out
+    if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
+        if any(len(p) != len(first) for p in parts):
+            raise Unplaced(f"output {name!r}: groups returned different numbers of items")
+        return type(first)(
+            assemble([p[i] for p in parts], groups, padded_rows, padded_length, name) for i in range(len(first))
+        )
+    if first is None or isinstance(first, (int, float, str, bool)):
+        if any(p != first for p in parts):
+            raise Unplaced(f"output {name!r}: groups returned different values")
+        return first
+    raise Unplaced(f"output {name!r}: a {type(first).__name__} cannot be put together from row groups")
+
+
+def _assemble_tensor(
+    parts: Sequence[torch.Tensor], groups: Sequence[Any], padded_rows: int, padded_length: int, name: str
+) -> torch.Tensor:
+    shape: list[int] | None = None
+    placed = []
+    for part, group in zip(parts, groups, strict=True):
+        if part.dim() == 0 or part.shape[0] != group.padded_rows:
+            raise Unplaced(f"output {name or 'tensor'!r} of shape {tuple(part.shape)} is not one row per input")
+        dims = sequence_dims(name, part.shape, group.bucket) if part.dim() >= 2 else ()
+        target = [padded_rows, *part.shape[1:]]
+        widths = [0] * (2 * part.dim())
+        for dim in dims:
+            target[dim] = padded_length
+            widths[2 * (part.dim() - 1 - dim) + 1] = padded_length - part.shape[dim]  # F.pad: last dim first
+        if shape is not None and target != shape:
+            raise Unplaced(f"output {name or 'tensor'!r}: groups returned shapes that do not line up")
+        shape = target
+        placed.append(torch.nn.functional.pad(part, widths) if any(widths) else part)
+    assert shape is not None
+    out = torch.zeros(shape, dtype=parts[0].dtype, device=parts[0].device)
+    for part, group in zip(placed, groups, strict=True):
+        # Dummy rows are copies of the group's first row: they write its (identical) values again.
+        index = list(group.rows) + [group.rows[0]] * (group.padded_rows - len(group.rows))
+        out.index_copy_(0, torch.tensor(index, dtype=torch.long).to(out.device), part)
+    return out
 
 
 def kv_layers(cache: Any) -> list[Any] | None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ... import settings
 from .buckets import Buckets, pow2
+from .record import fitted_buckets
 
 PROMPT_BUCKETS_ENV = settings.env_name("prompt_buckets")
 BATCH_BUCKETS_ENV = settings.env_name("batch_buckets")
@@ -71,11 +72,18 @@ def buckets(
     key: str,
     default: Callable[[], Buckets],
     limit: int | None = None,
+    record: str | None = None,
 ) -> Buckets:
     """Setting ``setting``'s buckets: environment > config file > ``answer[key]`` (a hook's) > ``pow2``, where
-    ``pow2`` is ``default()``; capped at ``limit`` (the positions the model addresses) when given."""
+    ``pow2`` is ``default()`` and ``fit`` the buckets fitted to model ``record``'s recorded sizes (:mod:`.record`);
+    capped at ``limit`` (the positions the model addresses) when given."""
     spec = settings.resolve(setting, hook=lambda: answer.get(key)).value
-    chosen = default() if spec == settings.POW2 else Buckets(spec, setting)
+    if spec == settings.POW2:
+        chosen = default()
+    elif spec == settings.FIT:
+        chosen = fitted_buckets(record, setting, default)
+    else:
+        chosen = Buckets(spec, setting)
     return chosen.capped(limit)
 
 
@@ -108,8 +116,9 @@ def pow2_batch_buckets() -> Buckets:
     return pow2(1, MAX_BATCH_BUCKET, "batch_buckets")
 
 
-def resolve_policy(max_position_embeddings: int | None) -> ShapePolicy:
-    """The prompt and batch buckets in force for a model of ``max_position_embeddings`` positions."""
+def resolve_policy(max_position_embeddings: int | None, record: str | None = None) -> ShapePolicy:
+    """The prompt and batch buckets in force for a model of ``max_position_embeddings`` positions (``record``: the
+    model's record key, for ``fit``)."""
     answer = hook_answer(
         "neuron_generation_shape_policy", _GENERATION_KEYS, max_position_embeddings=max_position_embeddings
     )
@@ -120,6 +129,7 @@ def resolve_policy(max_position_embeddings: int | None) -> ShapePolicy:
             "prompt_buckets",
             lambda: pow2_prompt_buckets(max_position_embeddings),
             max_position_embeddings,
+            record,
         ),
-        buckets("batch_buckets", answer, "batch_buckets", pow2_batch_buckets),
+        buckets("batch_buckets", answer, "batch_buckets", pow2_batch_buckets, record=record),
     )

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ... import device, logs
+from ..shapes import record_key
 from .collate import BucketingCollator, Plan, already_static, collator_name, collator_tokenizer, pad_values_for
 from .shapes import BUCKETS_ENV, ShapePolicy, max_length_of, model_max_length, resolve_policy, tokenizer_max_length
 
@@ -97,9 +98,10 @@ def loop_plan(accelerator: Any, collate: Any) -> Plan:
     models = list(getattr(accelerator, "_models", None) or ()) if accelerator is not None else []
     unwrapped = [_unwrap(accelerator, m) for m in models]
     limit = max_length_of(*(model_max_length(m) for m in unwrapped), tokenizer_max_length(collator_tokenizer(collate)))
-    policy = resolve_policy(limit)
     config = next((m.config for m in unwrapped if getattr(m, "config", None) is not None), None)
-    return Plan(policy, pad_values_for(collate, policy, config=config))
+    record = record_key(config) if config is not None else None
+    policy = resolve_policy(limit, record)
+    return Plan(policy, pad_values_for(collate, policy, config=config), record)
 
 
 def _unwrap(accelerator: Any, model: Any) -> Any:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import logs
-from ..shapes import pad_id, pad_values
+from ... import padding as _padding
+from ..shapes import note, pad_id, pad_values
 from .shapes import ShapePolicy, pad_batch
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class Plan:
 
     policy: ShapePolicy
     pad_values: Mapping[str, Any]
+    record: str | None = None  # the model's shape record: the batch lengths it sees, for fitted buckets
 
 
 def _inner(collator: Any) -> list[Any]:
@@ -130,7 +132,14 @@ class BucketingCollator:
         batch = self.collator(features)
         try:
             plan = self.plan
-            return pad_batch(batch, plan.policy, plan.pad_values, self.multiple)
+            real = _real_tokens(batch)
+            if real is not None:
+                rows, length = batch["input_ids"].shape
+                note(plan.record, "train_buckets", length, rows)
+            padded = pad_batch(batch, plan.policy, plan.pad_values, self.multiple)
+            if real is not None:
+                _padding.add("training", padded["input_ids"].numel(), real)
+            return padded
         except ValueError:
             raise  # a bad setting: the message names it
         except Exception:  # an unpadded batch costs a compile; a crash costs the run
@@ -154,6 +163,17 @@ class BucketingCollator:
 
     def __repr__(self) -> str:
         return f"BucketingCollator({self.collator!r})"
+
+
+def _real_tokens(batch: Any) -> int | None:
+    """The tokens of a batch its attention mask keeps (all of ``input_ids`` without one); None: not a token batch."""
+    import torch
+
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else ids.numel()
 
 
 def bucketing_collator(

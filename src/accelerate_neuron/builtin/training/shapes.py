@@ -29,6 +29,7 @@ from typing import Any
 
 from ... import logs, settings
 from ..shapes import Buckets, hook_answer, known_key, max_positions, pad_columns, pow2
+from ..shapes.record import fitted_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,9 @@ def _validate(answer: Mapping[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def resolve_policy(max_length: int | None) -> ShapePolicy:
+def resolve_policy(max_length: int | None, record: str | None = None) -> ShapePolicy:
     """The shape policy for a model of ``max_length`` tokens (buckets: the ``train_buckets`` setting, capped at
-    ``max_length``)."""
+    ``max_length``; ``record``: the model's shape record, for ``fit``)."""
     merged = _validate(default_policy(max_length), "the built-in policy")
     source = "built-in default"
     answer = hook_answer("neuron_training_shape_policy", _POLICY_KEYS, max_length=max_length)
@@ -142,7 +143,12 @@ def resolve_policy(max_length: int | None) -> ShapePolicy:
     chosen = settings.explicit("train_buckets")
     if chosen is not None:
         spec = chosen.value
-        merged["buckets"] = pow2_buckets(max_length) if spec == settings.POW2 else spec
+        if spec == settings.POW2:
+            merged["buckets"] = pow2_buckets(max_length)
+        elif spec == settings.FIT:
+            merged["buckets"] = fitted_buckets(record, "train_buckets", lambda: pow2_buckets(max_length))
+        else:
+            merged["buckets"] = spec
         source = chosen.describe()
         if not merged["buckets"]:
             merged["pad_to_multiple_of"] = None

@@ -25,6 +25,7 @@ import weakref
 from typing import Any
 
 from ... import device
+from ..shapes import record_key
 from . import batches, shape_state
 from .args import DROP_LAST_ATTR
 from .collate import Plan, collator_tokenizer, pad_values_for
@@ -49,8 +50,9 @@ def trainer_policy(trainer: Any) -> ShapePolicy:
     resumed = getattr(trainer, "__dict__", {}).get(RESUMED_ATTR)
     if resumed is not None:
         return resumed
-    limit = max_length_of(model_max_length(getattr(trainer, "model", None)), tokenizer_max_length(_tokenizer(trainer)))
-    return resolve_policy(limit)
+    model = getattr(trainer, "model", None)
+    limit = max_length_of(model_max_length(model), tokenizer_max_length(_tokenizer(trainer)))
+    return resolve_policy(limit, record_key(model) if model is not None else None)
 
 
 def _tokenizer(trainer: Any) -> Any:
@@ -61,8 +63,10 @@ def _plan(trainer: Any) -> Plan:
     policy = trainer_policy(trainer)
     collator = trainer.data_collator
     tokenizer = _tokenizer(trainer)
-    config = getattr(getattr(trainer, "model", None), "config", None)
-    return Plan(policy, pad_values_for(collator, policy, tokenizer=tokenizer, config=config))
+    model = getattr(trainer, "model", None)
+    config = getattr(model, "config", None)
+    record = record_key(model) if model is not None else None
+    return Plan(policy, pad_values_for(collator, policy, tokenizer=tokenizer, config=config), record)
 
 
 def wrap_get_dataloader(original: Any) -> Any:

@@ -39,6 +39,7 @@ DEFAULT_WARMUP = settings.setting("recompile_warmup").default
 
 Signature = tuple[tuple[str, tuple[int, ...]], ...]
 
+
 def warmup_from_env() -> int:
     """The ``recompile_warmup`` setting: forward calls before a new graph counts as a recompile."""
     return settings.get("recompile_warmup")

@@ -26,6 +26,7 @@ import torch
 from .. import precompile_session as session
 from ..model_tag import model_tag
 from ..shapes import Unplaced, sequence_dims
+from ..shapes.groups import shapes_of
 
 #: Graphs one inference shape compiles at most (Dynamo may break a forward in pieces; priced as one).
 GRAPHS_PER_SHAPE = 1
@@ -41,6 +42,7 @@ def call_shape(call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict
         "dtype": str(getattr(call.model, "dtype", "")),
         "rows": call.padded_rows,
         "length": call.padded_length,
+        "groups": shapes_of(getattr(call, "groups", None)),
         "inputs": sorted(call.inputs),
         "arguments": _arguments(args, kwargs),
         "compiled": call.compiled,

@@ -100,9 +100,11 @@ def call_shape(model: Any, loop: str, arguments: dict[str, Any]) -> dict[str, An
     ids = arguments["input_ids"]
     config = arguments["generation_config"]
     model_kwargs = arguments.get("model_kwargs") or {}
-    owner = scope.owner()  # the generate() call running this loop: its pad columns and dummy rows
+    owner = scope.owner()  # the generate() call running this loop: its pad columns, dummy rows, prefill groups
     columns, rows = int(ids.shape[1]), int(ids.shape[0])
+    groups = None
     if getattr(owner, "model", None) is model:
+        groups = owner.prefill_shapes(model_kwargs, rows) if hasattr(owner, "prefill_shapes") else None
         columns += getattr(owner, "pad", 0)
         rows += getattr(owner, "dummy", 0)
     processors = arguments.get("logits_processor")
@@ -115,6 +117,7 @@ def call_shape(model: Any, loop: str, arguments: dict[str, Any]) -> dict[str, An
         "loop": loop,
         "prompt": columns,
         "rows": rows,
+        "prefill_groups": groups,
         "cache": _cache_shape(model_kwargs),
         "encoder": _encoder_length(model_kwargs),
         "compiled": not getattr(config, "disable_compile", False),
