@@ -99,3 +99,45 @@ def last_json(stdout: str) -> dict:
         if line.startswith("{"):
             return json.loads(line)
     raise AssertionError(f"no JSON line in child output:\n{stdout}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_under_simulate(
+    model: str, cores: int, cache: str | Path, env: dict[str, str]
+) -> tuple[subprocess.Popen, int]:
+    """`accelerate-neuron simulate --json -- transformers serve MODEL --continuous-batching` on a free local port,
+    returned (the process, its port) once it answers ``/health``. Its own session: stop it with ``os.killpg``.
+
+    stdout is simulate's JSON report, stderr the server's output; ``cache`` is its NEFF cache folder.
+    """
+    import time
+    import urllib.request
+
+    port = free_port()
+    simulate = [sys.executable, "-m", "accelerate_neuron", "simulate", "--cores", str(cores), "--json", "--"]
+    serve = [str(Path(sys.executable).with_name("transformers")), "serve", model, "--continuous-batching"]
+    server = subprocess.Popen(
+        [*simulate, *serve, "--host", "127.0.0.1", "--port", str(port)],
+        env=clean_env(TORCH_NEURONX_NEFF_CACHE_DIR=str(cache), OMP_NUM_THREADS="1", **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 600
+    while True:
+        assert server.poll() is None, server.stderr.read()[-4000:]
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            return server, port
+        except OSError:
+            assert time.monotonic() < deadline, "the server did not start in 10 minutes"
+            time.sleep(1)

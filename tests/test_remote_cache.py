@@ -26,7 +26,7 @@ from accelerate_neuron import settings, simulator, tiny
 from accelerate_neuron.compile_cache import keys, tier, urls
 from accelerate_neuron.compile_cache.remote import CorruptEntry, Remote, RemoteError
 from accelerate_neuron.simulator import neff_cache
-from helpers import REPO, clean_env, last_json
+from helpers import REPO, clean_env, free_port, last_json
 
 SCRIPT = REPO / "tests" / "scripts" / "fleet_generate.py"
 CLI = Path(sys.executable).with_name("accelerate-neuron")
@@ -74,16 +74,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tiny.save_pretrained(tmp_path_factory.mktemp("model") / "tiny-qwen3", "qwen3"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, str]]:
     """moto's standalone S3 server on 127.0.0.1, a bucket in it, and the AWS variables a host would have."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
@@ -418,7 +412,7 @@ def test_two_hosts_through_s3_compile_once(model: str, tmp_path: Path, s3: dict[
 @pytest.mark.slow
 @pytest.mark.one_pair
 def test_a_remote_that_is_down_costs_local_compiles_and_one_message(model: str, tmp_path: Path) -> None:
-    down = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{_free_port()}", "AWS_ACCESS_KEY_ID": "k"}
+    down = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k"}
     run, err = host(model, tmp_path / "host", "s3://fleet/neff", AWS_SECRET_ACCESS_KEY="s", **down)
     assert run["compiles"] > 0 and run["remote"]["down"]
     assert err.count("the remote compile cache s3://fleet/neff cannot be used") == 1, err

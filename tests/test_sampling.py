@@ -19,9 +19,7 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,7 +32,7 @@ from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.generation import sampling as gsampling
 from accelerate_neuron.builtin.sampling import ops, step
 from accelerate_neuron.builtin.sampling import program as sprogram
-from helpers import clean_env, fresh_neff_cache_dir
+from helpers import fresh_neff_cache_dir, serve_under_simulate
 from test_generation import QWEN, _clean_dynamo, model, on, reference, tok  # noqa: F401 - shared fixtures
 
 WORDS = tiny.CORPUS.split()
@@ -486,33 +484,14 @@ def test_transformers_serve_samples_each_requests_settings_with_the_graphs_of_it
     from openai import OpenAI
     from transformers import GenerationConfig
 
-    from test_serving import LAZY_SERVE, _free_port, _graphs_by_frame  # here: it skips itself on 4.57
+    from test_serving import LAZY_SERVE, _graphs_by_frame  # here: it skips itself on 4.57
 
     folder = tiny.save_pretrained(tmp_path / "tiny-qwen3-chat", "qwen3", **QWEN)
     chat = GenerationConfig(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, eos_token_id=2, pad_token_id=0)
     chat.save_pretrained(folder)  # as a chat model ships: sampling by default, so serve's batches sample
     cache = Path(fresh_neff_cache_dir())
-    port = _free_port()
-    simulate = [sys.executable, "-m", "accelerate_neuron", "simulate", "--cores", "1", "--json", "--"]
-    serve = [str(Path(sys.executable).with_name("transformers")), "serve", str(folder), "--continuous-batching"]
-    server = subprocess.Popen(
-        [*simulate, *serve, "--host", "127.0.0.1", "--port", str(port)],
-        env=clean_env(TORCH_NEURONX_NEFF_CACHE_DIR=str(cache), OMP_NUM_THREADS="1", **SERVING_ENV),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    server, port = serve_under_simulate(str(folder), 1, cache, SERVING_ENV)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, server.stderr.read()[-4000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not start in 10 minutes"
-                time.sleep(1)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         if LAZY_SERVE:  # serve up to 5.24 starts continuous batching (and the plugin's warm-up) at a first request
             client.completions.create(model=str(folder), prompt=prompt(3), max_tokens=2, temperature=0)

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from transformers.generation.continuous_batching import model_runner
 from accelerate_neuron import hookimpl, logs, plugins, settings, simulator, tiny
 from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.serving import plan as serving_plan
-from helpers import REPO, clean_env, fresh_neff_cache_dir, last_json
+from helpers import REPO, clean_env, fresh_neff_cache_dir, last_json, serve_under_simulate
 
 WORDS = tiny.CORPUS.split()
 QWEN = {"initializer_range": 0.3}
@@ -465,11 +464,6 @@ def _serve_is_lazy() -> bool:
 LAZY_SERVE = _serve_is_lazy()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _post(port: int, body: dict, timeout: float = 120) -> tuple[int, str]:
     request = urllib.request.Request(
@@ -515,28 +509,8 @@ def test_transformers_serve_answers_on_localhost_and_compiles_nothing_after_its_
     from openai import OpenAI
 
     cache = Path(fresh_neff_cache_dir())
-    port = _free_port()
-    where = ["--host", "127.0.0.1", "--port", str(port)]
-    simulate = [sys.executable, "-m", "accelerate_neuron", "simulate", "--cores", "2", "--json", "--"]
-    serve = [str(Path(sys.executable).with_name("transformers")), "serve", qwen, "--continuous-batching", *where]
-    server = subprocess.Popen(
-        [*simulate, *serve],
-        env=clean_env(TORCH_NEURONX_NEFF_CACHE_DIR=str(cache), OMP_NUM_THREADS="1", **GRID_ENV),
-        stdout=subprocess.PIPE,  # the dry-run report (--json)
-        stderr=subprocess.PIPE,  # the server's output
-        text=True,
-        start_new_session=True,
-    )
+    server, port = serve_under_simulate(qwen, 2, cache, GRID_ENV)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, server.stderr.read()[-4000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not start in 10 minutes"
-                time.sleep(1)
         if LAZY_SERVE:  # serve starts continuous batching at the first request: the grid is warmed then
             assert not _graphs_by_frame(cache)
             status, payload = _post(port, {"model": qwen, "prompt": prompt(3), "max_tokens": 2, "temperature": 0})

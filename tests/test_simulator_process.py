@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from helpers import clean_env, last_json, run_python
+from helpers import clean_env, free_port, last_json, run_python
 
 VISIBLE = """
 import json, torch
@@ -109,11 +108,6 @@ def test_refuses_to_shadow_a_real_or_other_backend(tmp_path: Path) -> None:
     assert "a real torch-neuronx is installed" in run_python(code, PYTHONPATH=str(tmp_path)).stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 COLLECTIVES = """
 import json, os, torch, torch.distributed as dist
@@ -147,7 +141,7 @@ def test_two_process_collectives(tmp_path: Path) -> None:
             "-m",
             "torch.distributed.run",
             "--nproc_per_node=2",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
             str(script),
         ],
         env=clean_env(ACCELERATE_NEURON_SIMULATE="2", RESULT_DIR=str(tmp_path)),
@@ -171,7 +165,7 @@ def test_device_use_before_init_process_group_is_refused() -> None:
     code = f"""
         import os, torch, torch.distributed as dist
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{_free_port()}")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
         torch.ones(1, device="neuron")  # initialises this process's Neuron runtime
         try:
             dist.init_process_group("neuron")
