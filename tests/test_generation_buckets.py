@@ -107,9 +107,14 @@ def test_varied_prompts_compile_one_graph_per_bucket_and_match_cpu(sim, referenc
 
 
 @pytest.mark.parametrize("sample", [False, True])
-def test_rows_of_very_different_lengths_prefill_in_groups_and_match_cpu(sim, reference, tok, sample):
-    """One long row no longer pads seven short ones to its bucket: each group prefills at its own, decode together."""
+def test_rows_of_very_different_lengths_prefill_in_groups_and_match_cpu(sim, reference, tok, sample, monkeypatch):
+    """One long row no longer pads seven short ones to its bucket: each group prefills at its own, decode together.
+
+    Sampling on the host's path (the CPU's numbers); sampling on the device prefills as one batch (test_sampling).
+    """
     import accelerate_neuron
+
+    monkeypatch.setenv("ACCELERATE_NEURON_DEVICE_SAMPLING", "0")
 
     torch._dynamo.reset()
     model = tiny.model("qwen3", **QWEN).to("neuron")
