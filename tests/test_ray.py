@@ -97,7 +97,10 @@ def _simulate_ray_train(out: Path, *cases: str, cores: int, two_nodes: bool = Fa
     return last_json(proc.stdout), json.loads((out / "driver.json").read_text())
 
 
+# Ray's side (builtin/engines.py) is the same on both pairs; Trainer and Accelerate across processes are tested on
+# both pairs under torchrun (test_launch).
 @pytest.mark.slow
+@pytest.mark.one_pair
 def test_ray_train_with_rays_defaults_trains_each_worker_on_its_own_core(tmp_path: Path) -> None:
     out = tmp_path / "out"
     report, driver = _simulate_ray_train(out, "trainer", "resume", "accelerate", cores=2)
