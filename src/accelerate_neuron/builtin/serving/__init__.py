@@ -32,6 +32,7 @@ built-in answers here: ``neuron_serving_shape_policy``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ...hookspecs import hookimpl
@@ -45,138 +46,120 @@ _LACKING = (
 )
 
 
+def _continuous_batching(module: str, target: str, wrapper: Callable[[Any], Any], **details: Any) -> Patch:
+    """A patch of ``transformers.generation.continuous_batching.<module>``: skipped where that continuous batching
+    is missing (4.57) and while the step is not padded (``off`` buckets)."""
+    return Patch(f"{CB}.{module}", target, wrapper, lacking=_LACKING, needed=plan.without_step_padding, **details)
+
+
 @hookimpl
 def neuron_patches() -> list[Patch]:
     return [
-        Patch(
-            f"{CB}.initialization",
+        _continuous_batching(
+            "initialization",
             "resolve_continuous_batching_config",
             wrappers.wrap_resolve_config,
             reason="continuous batching on Neuron gets a token budget, a KV cache sized for the core, a request cap "
             "and the 'neuron' compile config of its step, where the caller set none",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("config", "cb_config", "workload_hints", "device"),
             aliases=(f"{CB}.continuous_api.resolve_continuous_batching_config",),
             name="serving.config",
         ),
-        Patch(
-            f"{CB}.continuous_api",
+        _continuous_batching(
+            "continuous_api",
             "ContinuousBatchingIOs",
             staging.wrap_io_class,
             reason="a step's inputs are built on the host and sent once per step at the bucket's shape, instead "
             "of request-sized device writes that compile eager ops for every batch composition",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("cache", "config", "continuous_batching_config", "device", "model_dtype", "logit_processor"),
             name="serving.host_staging",
         ),
-        Patch(
-            f"{CB}.model_runner",
+        _continuous_batching(
+            "model_runner",
             "ModelRunner.maybe_pad_inputs",
             steps.wrap_maybe_pad_inputs,
             reason="a step is padded to (query-token, KV-token) buckets, so its compiled graphs and the eager cache "
             "update see a bounded set of shapes",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("num_q_tokens", "max_kv_read", "use_decode_fast_path"),
             name="serving.buckets",
         ),
-        Patch(
-            f"{CB}.model_runner",
+        _continuous_batching(
+            "model_runner",
             "ModelRunner.warmup",
             steps.wrap_warmup,
             reason="the warm-up runs every bucket shape (upstream: the largest only), so a warm server compiles "
             "nothing; in precompile workers each shape is claimed, so --jobs splits them",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("model",),
             name="serving.warmup",
         ),
-        Patch(
-            f"{CB}.model_runner",
+        _continuous_batching(
+            "model_runner",
             "ModelRunner.compute_batch",
             steps.wrap_compute_batch,
             reason="a step that compiles after the warm-up is warned about (a stall of minutes on Neuron)",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("model", "batch_data"),
             name="serving.watchdog",
         ),
-        Patch(
-            f"{CB}.cache_allocators.full_attention",
+        _continuous_batching(
+            "cache_allocators.full_attention",
             "FullAttentionCacheAllocator.update",
             cache_update.wrap_update,
             reason="the paged cache's eager update (kept out of the graph upstream) indexes the whole cache at "
             "shifted rows, so every layer runs the same eager shapes instead of one set per layer",
-            lacking=_LACKING,
             params=("key_states", "value_states", "layer_idx", "read_index", "write_index"),
-            needed=plan.without_step_padding,
             name="serving.cache_update",
         ),
-        Patch(
-            f"{CB}.cache",
+        _continuous_batching(
+            "cache",
             "PagedAttentionCache.update",
             cache_update.wrap_paged_update,
             reason="the paged cache's update is traced into the step on Neuron (upstream wraps it in "
             "torch.compiler.disable: a graph break per layer, so a step was 2 x layers + 1 graphs with a host round "
             "trip between each); one graph per (query, KV) bucket",
-            lacking=_LACKING,
             params=("self", "key_states", "value_states", "layer_idx", "kwargs"),
-            needed=plan.without_step_padding,
             name="serving.traced_cache_update",
         ),
-        Patch(
-            f"{CB}.cb_logits_processors",
+        _continuous_batching(
+            "cb_logits_processors",
             "ContinuousBatchingLogitsProcessorList.__call__",
             sampling.wrap_processor_list_call,
             reason="on Neuron a sampling step's warpers (temperature, top-k, top-p, per request) run without sorting "
             "the vocabulary: top-k on each row's best 256 tokens, top-p by bisection when there is no top-k",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("input_ids", "scores", "logits_processor_args"),
             name="serving.sampling_warpers",
         ),
-        Patch(
-            f"{CB}.model_runner",
+        _continuous_batching(
+            "model_runner",
             "ModelRunner._sample",
             sampling.wrap_runner_sample,
             reason="on Neuron the next token is drawn from the device's random numbers with uniform draws (the "
             "exponential race) instead of torch.multinomial, inside the compiled step",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("scores", "output_ids"),
             name="serving.sampling_draw",
         ),
-        Patch(
-            f"{CB}.model_runner",
+        _continuous_batching(
+            "model_runner",
             "ModelRunner.__init__",
             sampling.wrap_runner_init,
             reason="a sampling runner on Neuron says once how it samples (its top-k bound)",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("logit_processor", "cb_config", "do_sample"),
             name="serving.sampling_announce",
         ),
-        Patch(
-            f"{CB}.continuous_api",
+        _continuous_batching(
+            "continuous_api",
             "ContinuousBatchingManager.add_request",
             wrappers.wrap_add_request,
             reason="a request longer than the KV cache (the largest KV bucket) is refused with a clear error "
             "instead of never being scheduled",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("input_ids", "request_id", "max_new_tokens"),
             name="serving.request_length",
         ),
-        Patch(
-            f"{CB}.continuous_api",
+        _continuous_batching(
+            "continuous_api",
             "ContinuousMixin.generate_batch",
             wrappers.wrap_generate_batch,
             reason="generate_batch checks every input against the KV cache before any starts (upstream logs an "
             "error raised while adding requests and returns an empty result)",
-            lacking=_LACKING,
-            needed=plan.without_step_padding,
             params=("inputs", "generation_config", "continuous_batching_config"),
             name="serving.batch_length",
         ),
