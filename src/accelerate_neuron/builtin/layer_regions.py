@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 #: Set on a layer's installed forward, so a second call on the same model shares it.
 _REGION_FLAG = "_accelerate_neuron_region"
-_lock = threading.Lock()
 #: One compiled function per plain function (a layer class's ``forward``): identical layers share it.
 _compiled: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]] = weakref.WeakKeyDictionary()
 
@@ -150,19 +148,12 @@ def compiled_layers(model: Any) -> Iterator[list[torch.nn.Module]]:
         yield []
         return
     make_room_for_buckets("every decoder layer and shape is a graph of the layer's function", len(layers))
-    installed = []
-    with _lock:
+    with contextlib.ExitStack() as stack:
         for layer in layers:
-            attr = _attribute(layer)
             build = functools.partial(_region_forward, layer, options=options)
-            installed.append((layer, attr, overrides.install(layer, attr, _REGION_FLAG, build)))
-    _announce(model, layers)
-    try:
+            stack.enter_context(overrides.overridden(layer, _attribute(layer), _REGION_FLAG, build))
+        _announce(model, layers)
         yield layers
-    finally:
-        with _lock:
-            for layer, attr, region in installed:
-                overrides.uninstall(layer, attr, region)
 
 
 def _announce(model: Any, layers: list[torch.nn.Module]) -> None:

@@ -1,18 +1,34 @@
 """An instance attribute overridden for the length of a call, shared by nested and concurrent calls.
 
 The first call installs a wrapper on the instance (over the class's attribute, or over an instance attribute
-someone else set); later calls reuse it; the last one to leave restores what was there before. The caller holds
-its own lock around both functions.
+someone else set); later calls reuse it; the last one to leave restores what was there before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
+#: Installs and uninstalls of every caller, one at a time (a user count changes under it).
+_lock = threading.Lock()
 
-def install(obj: Any, attr: str, flag: str, build: Callable[[Any], Any]) -> Any:
-    """The wrapper now at ``obj.attr`` (marked by ``flag``): the one installed, or ``build(current value)``."""
+
+@contextlib.contextmanager
+def overridden(obj: Any, attr: str, flag: str, build: Callable[[Any], Any]) -> Iterator[Any]:
+    """``obj.attr`` replaced for the ``with`` block by the wrapper marked ``flag``: the one already installed, or
+    ``build(current value)``; the last block to leave puts back what it found. Yields the wrapper."""
+    with _lock:
+        wrapper = _install(obj, attr, flag, build)
+    try:
+        yield wrapper
+    finally:
+        with _lock:
+            _uninstall(obj, attr, wrapper)
+
+
+def _install(obj: Any, attr: str, flag: str, build: Callable[[Any], Any]) -> Any:
     existing = obj.__dict__.get(attr)
     if getattr(existing, flag, False):
         wrapper = existing
@@ -26,8 +42,7 @@ def install(obj: Any, attr: str, flag: str, build: Callable[[Any], Any]) -> Any:
     return wrapper
 
 
-def uninstall(obj: Any, attr: str, wrapper: Any) -> None:
-    """One user of ``wrapper`` is done; the last one puts back what :func:`install` found."""
+def _uninstall(obj: Any, attr: str, wrapper: Any) -> None:
     wrapper.users -= 1
     if wrapper.users == 0 and obj.__dict__.get(attr) is wrapper:
         if wrapper.previous is None:

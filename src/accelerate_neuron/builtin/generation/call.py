@@ -151,9 +151,7 @@ class GenerateCall:
         compiles = self.chunked and self.compiles(generation_config)
         self.may_add_rows = compiles and bool(policy.batch_buckets) and mode in _ROW_MODES
         # Greedy and sampling prefill through the compiled call on every release (4.x's beam search does not).
-        self.may_group = (
-            compiles and bool(policy.prompt_buckets) and mode in _ROW_MODES and settings.get("group_rows")
-        )
+        self.may_group = compiles and bool(policy.prompt_buckets) and mode in _ROW_MODES and settings.get("group_rows")
         self.filler = shapes.pad_id(self.model.config, vocab=getattr(self.model.config, "vocab_size", None))
 
     def _unbucketed_reason(self, generation_config: Any, model_kwargs: dict[str, Any], mode: str) -> str | None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +31,6 @@ from . import rollback
 
 _FLAG = "_accelerate_neuron_draft_forward"
 _CACHE_KWARGS = ("cache", "past_key_values")
-_lock = threading.Lock()
 _drafting: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "accelerate_neuron_drafting", default=frozenset()
 )
@@ -64,15 +62,12 @@ def drafting(model: Any) -> Iterator[None]:
         forward.inner = inner
         return forward
 
-    with _lock:
-        wrapper = overrides.install(model, "forward", _FLAG, build)
-    token = _drafting.set(_drafting.get() | {id(model)})
-    try:
-        yield
-    finally:
-        _drafting.reset(token)
-        with _lock:
-            overrides.uninstall(model, "forward", wrapper)
+    with overrides.overridden(model, "forward", _FLAG, build):
+        token = _drafting.set(_drafting.get() | {id(model)})
+        try:
+            yield
+        finally:
+            _drafting.reset(token)
 
 
 def _run(position: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -26,7 +26,6 @@ import contextlib
 import copy
 import functools
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,7 +45,6 @@ DEVICE_SAMPLING_ENV = settings.env_name("device_sampling")
 TOPK_ENV = settings.env_name("sampling_topk")
 _UPDATE_ATTR = "_update_model_kwargs_for_generation"
 _CHOOSER_FLAG = "_accelerate_neuron_chooser"
-_lock = threading.Lock()
 
 
 class DeviceSampling:
@@ -197,10 +195,5 @@ def choosing_on(model: Any, current: Any) -> Iterator[None]:
 
         return chooser
 
-    with _lock:
-        chooser = overrides.install(model, _UPDATE_ATTR, _CHOOSER_FLAG, build)
-    try:
+    with overrides.overridden(model, _UPDATE_ATTR, _CHOOSER_FLAG, build):
         yield
-    finally:
-        with _lock:
-            overrides.uninstall(model, _UPDATE_ATTR, chooser)

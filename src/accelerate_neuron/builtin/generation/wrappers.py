@@ -20,7 +20,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,7 +35,6 @@ from .concurrency import one_call_at_a_time
 _NOT_FOR_ENCODER = ("decoder_", "cross_attn", "use_cache", "cache", "past_key_values")
 _INSTANCE_ATTR = "prepare_inputs_for_generation"
 _MOVER_FLAG = "_accelerate_neuron_mover"
-_lock = threading.Lock()
 logger = logging.getLogger(__name__)
 
 # Transformers < 5.20 warns whenever input_ids and the model differ in device
@@ -87,13 +85,8 @@ def forward_inputs_on(model: Any, dev: Any) -> Iterator[None]:
 
         return mover
 
-    with _lock:
-        mover = overrides.install(model, _INSTANCE_ATTR, _MOVER_FLAG, build)
-    try:
+    with overrides.overridden(model, _INSTANCE_ATTR, _MOVER_FLAG, build):
         yield
-    finally:
-        with _lock:
-            overrides.uninstall(model, _INSTANCE_ATTR, mover)
 
 
 @contextlib.contextmanager
@@ -177,6 +170,20 @@ def wrap_auto_compile(original: Callable[..., Any]) -> Callable[..., Any]:
     return valid
 
 
+def _bound(
+    signature: inspect.Signature, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[GenerateCall, inspect.BoundArguments] | None:
+    """The current call and a decoding loop's arguments by name; None (upstream's loop as called) outside a call
+    on Neuron, or when they do not bind to the loop's signature (a newer release's)."""
+    call = current(model)
+    if call is None:
+        return None
+    try:
+        return call, signature.bind(model, *args, **kwargs)
+    except TypeError:
+        return None
+
+
 def wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     """``_sample``: the next token picked on the device (greedy: the argmax; sampling: the whole draw, see
     :mod:`.sampling`) when nothing on the host needs the logits."""
@@ -184,13 +191,10 @@ def wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
-        call = current(self)
-        if call is None:
+        found = _bound(signature, self, args, kwargs)
+        if found is None:
             return original(self, *args, **kwargs)
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError:
-            return original(self, *args, **kwargs)
+        call, bound = found
         arguments = bound.arguments
         chosen = sampling.plan(
             call, arguments.get("input_ids"), arguments.get("logits_processor"), arguments.get("generation_config")
@@ -225,13 +229,10 @@ def wrap_assisted_decoding(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def _assisted_decoding(self: Any, *args: Any, **kwargs: Any) -> Any:
-        call = current(self)
-        if call is None:
+        found = _bound(signature, self, args, kwargs)
+        if found is None:
             return original(self, *args, **kwargs)
-        try:
-            bound = signature.bind(self, *args, **kwargs)
-        except TypeError:
-            return original(self, *args, **kwargs)
+        call, bound = found
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         try:

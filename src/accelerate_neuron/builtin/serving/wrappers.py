@@ -155,8 +155,10 @@ def wrap_serve_init_cb(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def init_cb(self: Any, model: Any, gen_config: Any) -> Any:
-        if getattr(self, "_cb", None) is not None or model_device(model) is None or "init_continuous_batching" in vars(
-            model
+        if (
+            getattr(self, "_cb", None) is not None
+            or model_device(model) is None
+            or "init_continuous_batching" in vars(model)
         ):
             return original(self, model, gen_config)
         create = model.init_continuous_batching
