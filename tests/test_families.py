@@ -17,7 +17,7 @@ import torch
 from accelerate_neuron import tiny
 
 _DECODER = tiny.DECODER_SIZES
-_IDS = {"vocab_size": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_IDS = {"vocab_size": 512, **tiny.TOKEN_IDS}
 
 #: model_type -> config keyword arguments, for the families :mod:`accelerate_neuron.tiny` does not build.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -61,20 +61,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 1,
         "attention_chunk_size": 4,
     },
-    "bart": {
-        "d_model": 64,
-        "encoder_layers": 2,
-        "decoder_layers": 2,
-        "encoder_attention_heads": 4,
-        "decoder_attention_heads": 4,
-        "encoder_ffn_dim": 128,
-        "decoder_ffn_dim": 128,
-        "max_position_embeddings": 256,
-        "decoder_start_token_id": 2,
-        "forced_eos_token_id": None,
-    },
 }
-ENCODER_DECODER = {"t5", "bart"}
+ENCODER_DECODER = set(tiny.ENCODER_DECODER_FAMILIES)
 FAMILIES = sorted({*tiny.FAMILIES, *CONFIGS})
 
 

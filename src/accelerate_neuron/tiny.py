@@ -126,8 +126,9 @@ def moe_config(model_type: str, vocab_size: int = 512, **overrides: Any) -> Any:
         raise ValueError(f"unknown tiny MoE family {model_type!r}; expected one of {', '.join(MOE_CONFIGS)}")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"this Transformers release has no {model_type!r} models")
-    common = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-    return AutoConfig.for_model(model_type, **{**DECODER_SIZES, **common, **MOE_CONFIGS[model_type], **overrides})
+    return AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, **{**DECODER_SIZES, **TOKEN_IDS, **MOE_CONFIGS[model_type], **overrides}
+    )
 
 
 def tokenizer(vocab_size: int = 384) -> Any:
@@ -158,110 +159,71 @@ def tokenizer(vocab_size: int = 384) -> Any:
     return fast
 
 
+#: The ids every tiny model shares (pad 0, bos 1, eos 2: the tiny tokenizer's).
+TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+#: :data:`FAMILIES` at toy size: model_type -> config keyword arguments (on top of :data:`TOKEN_IDS`).
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3": {**DECODER_SIZES, "head_dim": 16, "tie_word_embeddings": True},
+    "llama": DECODER_SIZES,
+    "gpt2": {
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 256,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
+    "qwen3_moe": {
+        **DECODER_SIZES,
+        "moe_intermediate_size": 64,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "tie_word_embeddings": True,
+    },
+    "mixtral": {**DECODER_SIZES, "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "t5": {
+        "d_model": 64,
+        "d_kv": 16,
+        "d_ff": 128,
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "num_heads": 4,
+        "dropout_rate": 0.0,
+        "decoder_start_token_id": 0,
+        "bos_token_id": None,  # T5 has none
+    },
+    "bart": {
+        "d_model": 64,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_ffn_dim": 128,
+        "decoder_ffn_dim": 128,
+        "max_position_embeddings": 256,
+        "dropout": 0.0,
+        "scale_embedding": True,
+        "init_std": 1.0,  # BART's default spread gives one repeated token at this size
+        "decoder_start_token_id": 2,
+        "forced_eos_token_id": None,
+    },
+}
+#: The encoder-decoder families among :data:`FAMILIES` (built with ``AutoModelForSeq2SeqLM``).
+ENCODER_DECODER_FAMILIES = ("t5", "bart")
+
+
 def config(family: str = "qwen3", vocab_size: int = 512, **overrides: Any) -> Any:
     """A toy-size config of ``family`` (one of :data:`FAMILIES`)."""
-    import transformers
+    from transformers import AutoConfig
 
-    common = {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-    if family == "qwen3":
-        cls, kwargs = (
-            transformers.Qwen3Config,
-            {
-                **DECODER_SIZES,
-                "head_dim": 16,
-                "tie_word_embeddings": True,
-                **common,
-            },
-        )
-    elif family == "llama":
-        cls, kwargs = (
-            transformers.LlamaConfig,
-            {
-                **DECODER_SIZES,
-                **common,
-            },
-        )
-    elif family == "gpt2":
-        cls, kwargs = (
-            transformers.GPT2Config,
-            {
-                "n_embd": 64,
-                "n_layer": 2,
-                "n_head": 4,
-                "n_positions": 256,
-                "resid_pdrop": 0.0,
-                "embd_pdrop": 0.0,
-                "attn_pdrop": 0.0,
-                **common,
-            },
-        )
-    elif family == "qwen3_moe":
-        cls, kwargs = (
-            transformers.Qwen3MoeConfig,
-            {
-                **DECODER_SIZES,
-                "moe_intermediate_size": 64,
-                "head_dim": 16,
-                "num_experts": 4,
-                "num_experts_per_tok": 2,
-                "decoder_sparse_step": 1,
-                "tie_word_embeddings": True,
-                **common,
-            },
-        )
-    elif family == "mixtral":
-        cls, kwargs = (
-            transformers.MixtralConfig,
-            {
-                **DECODER_SIZES,
-                "intermediate_size": 64,
-                "num_local_experts": 4,
-                "num_experts_per_tok": 2,
-                **common,
-            },
-        )
-    elif family == "t5":
-        cls, kwargs = (
-            transformers.T5Config,
-            {
-                "d_model": 64,
-                "d_kv": 16,
-                "d_ff": 128,
-                "num_layers": 2,
-                "num_decoder_layers": 2,
-                "num_heads": 4,
-                "dropout_rate": 0.0,
-                "decoder_start_token_id": 0,
-                "vocab_size": vocab_size,
-                "pad_token_id": 0,
-                "eos_token_id": 2,
-            },
-        )
-    elif family == "bart":
-        cls, kwargs = (
-            transformers.BartConfig,
-            {
-                "d_model": 64,
-                "encoder_layers": 2,
-                "decoder_layers": 2,
-                "encoder_attention_heads": 4,
-                "decoder_attention_heads": 4,
-                "encoder_ffn_dim": 128,
-                "decoder_ffn_dim": 128,
-                "max_position_embeddings": 256,
-                "dropout": 0.0,
-                "scale_embedding": True,
-                "init_std": 1.0,  # BART's default spread gives one repeated token at this size
-                "decoder_start_token_id": 2,
-                "forced_eos_token_id": None,
-                **common,
-            },
-        )
-    else:
+    if family not in FAMILY_CONFIGS:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {', '.join(FAMILIES)}")
-    # Overrides go through the constructor so derived fields (e.g. Qwen3's
-    # layer_types) follow them.
-    return cls(**{**kwargs, **overrides})
+    # Overrides go through the constructor so derived fields (e.g. Qwen3's layer_types) follow them.
+    return AutoConfig.for_model(family, vocab_size=vocab_size, **{**TOKEN_IDS, **FAMILY_CONFIGS[family], **overrides})
 
 
 def model(family: str = "qwen3", seed: int = 0, **overrides: Any) -> Any:
@@ -271,13 +233,10 @@ def model(family: str = "qwen3", seed: int = 0, **overrides: Any) -> Any:
 
     cfg = config(family, **overrides)
     torch.manual_seed(seed)
-    if family == "t5":
-        m = transformers.T5ForConditionalGeneration(cfg)
-    elif family == "bart":
-        m = transformers.BartForConditionalGeneration(cfg)
-    else:
-        m = transformers.AutoModelForCausalLM.from_config(cfg)
-    return m.eval()
+    auto = (
+        transformers.AutoModelForSeq2SeqLM if family in ENCODER_DECODER_FAMILIES else transformers.AutoModelForCausalLM
+    )
+    return auto.from_config(cfg).eval()
 
 
 def save_pretrained(path: str | os.PathLike[str], family: str = "qwen3", seed: int = 0, **overrides: Any) -> Path:
