@@ -50,7 +50,7 @@ def _split_over_two_cores(tmp_path, layers: int):
 
 
 #: Varied prompts: three lengths in one prompt bucket, one in the next, a batch of 3 rows.
-JOB = ((3, 1), (9, 1), (14, 1), (40, 1), (9, 3))
+JOB = ((12, 1), (14, 1), (18, 1), (40, 1), (9, 3))
 
 
 def _job(model, cpu, tok, calls=JOB):
