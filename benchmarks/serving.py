@@ -44,13 +44,11 @@ the warm-up, the most distinct temperatures one step sampled.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 
 os.environ.setdefault("ACCELERATE_NEURON_SIMULATE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,6 +60,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import model_runner
 
 import accelerate_neuron
+from _common import emit, environment
 from accelerate_neuron import activation, simulator, tiny
 from accelerate_neuron.builtin.serving import plan as serving_plan
 from accelerate_neuron.builtin.shapes import record
@@ -193,20 +192,6 @@ SAMPLING_GRID = {
 DEVICE_SAMPLING_ENV = "ACCELERATE_NEURON_DEVICE_SAMPLING"
 
 
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def sample_batch(vocab: int, cb: ContinuousBatchingConfig, new_tokens: int = 16) -> dict:
     """One batch of sampling requests with their own settings, after the warm-up: what each step cost."""
     tok = tiny.tokenizer()
@@ -316,10 +301,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.only == "sampling":
         text = "\n".join(sampling_section(args))
-        print(text)
-        if args.output:
-            with open(args.output, "a", encoding="utf-8") as fh:
-                fh.write(text + "\n")
+        emit(text, args.output)
         return
     requests = workload(args.requests, args.seed)
 
@@ -382,10 +364,7 @@ def main() -> None:
             )
     lines += ["", f"Cost model: {describe(patched[0]['estimate'])} (wave 1 of patched), see accelerate_neuron.costs."]
     text = "\n".join(lines)
-    print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    emit(text, args.output)
     if mismatches:
         sys.exit(f"{mismatches} request(s) differ between patched and stock")
 
