@@ -26,6 +26,7 @@ import torch
 import transformers
 
 import accelerate_neuron
+from _common import emit
 from accelerate_neuron import activation, simulator, tiny
 from accelerate_neuron.simulator import neff_cache
 
@@ -139,10 +140,7 @@ def main() -> int:
     )
     command = f"Command: `python benchmarks/encoder_decoder.py --tokens {' '.join(map(str, args.tokens))}`"
     text = "\n".join([header, "", command, "", *table(results, args.tokens), ""])
-    print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as out:
-            out.write(text + "\n")
+    emit(text, args.output)
     if args.plot:
         plot(results, args.plot)
     return 0

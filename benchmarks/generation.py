@@ -71,6 +71,7 @@ import transformers
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import accelerate_neuron
+from _common import emit, left_padded
 from accelerate_neuron import activation, hookimpl, plugins, simulator, tiny
 from accelerate_neuron import costs as _costs
 from accelerate_neuron.builtin import shapes
@@ -207,16 +208,6 @@ def workload_batches(prompts: int, seed: int, vocab: int) -> list[list[list[int]
     return batches
 
 
-def _left_padded(batch: list[list[int]]) -> dict[str, torch.Tensor]:
-    width = max(map(len, batch))
-    ids = torch.zeros((len(batch), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return {"input_ids": ids, "attention_mask": mask}
-
-
 def _run_workload(model, batches, stock: bool, fresh: bool = True) -> dict:
     simulator.reset_stats()  # settles the eager ops seen so far into the cache they ran on
     if fresh:  # a new process on a cold NEFF cache: nothing compiled yet
@@ -227,7 +218,7 @@ def _run_workload(model, batches, stock: bool, fresh: bool = True) -> dict:
     outputs = []
     start = time.perf_counter()
     for batch in batches:
-        enc = _left_padded(batch)
+        enc = left_padded(batch)
         if not host_inputs:
             enc = {k: v.to(model.device) for k, v in enc.items()}
         kwargs = {"cache_implementation": "static"} if stock else {}
@@ -771,20 +762,20 @@ def main() -> None:
         "",
     ]
     if args.only == "workload":
-        _emit("\n".join([*header, *workload_section(args)]), args.output)
+        emit("\n".join([*header, *workload_section(args)]), args.output)
         return
     if args.only == "moe":
-        _emit("\n".join([*header, *moe_section(args)]), args.output)
+        emit("\n".join([*header, *moe_section(args)]), args.output)
         return
     if args.only == "speculation":
-        _emit("\n".join([*header, *speculation_section(args)]), args.output)
+        emit("\n".join([*header, *speculation_section(args)]), args.output)
         return
     if args.only == "sampling":
-        _emit("\n".join([*header, *sampling_section(args)]), args.output)
+        emit("\n".join([*header, *sampling_section(args)]), args.output)
         return
     if args.only == "regions":
         header[2] = header[2].replace("1 core", "2 cores")
-        _emit("\n".join([*header, *regions_section(args)]), args.output)
+        emit("\n".join([*header, *regions_section(args)]), args.output)
         return
 
     tok = tiny.tokenizer()
@@ -859,14 +850,7 @@ def main() -> None:
     ]
     if args.only != "steps":
         lines += workload_section(args)
-    _emit("\n".join(lines), args.output)
-
-
-def _emit(text: str, output: str | None) -> None:
-    print(text)
-    if output:
-        with open(output, "a", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    emit("\n".join(lines), args.output)
 
 
 if __name__ == "__main__":

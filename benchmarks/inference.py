@@ -51,6 +51,7 @@ import torch
 import transformers
 
 import accelerate_neuron
+from _common import emit, environment
 from accelerate_neuron import activation, costs, simulator, tiny
 from accelerate_neuron.builtin.inference import call as inference_call
 from accelerate_neuron.builtin.shapes import record
@@ -145,20 +146,6 @@ class Positions:
 Job = tuple[Callable[[str], Any], Callable[[Any, list[Any]], Any]] | tuple[
     Callable[[str], Any], Callable[[Any, list[Any]], Any], Callable[[int], list[Any]]
 ]
-
-
-@contextlib.contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 #: The patched scenarios: their settings, and whether they run on buckets fitted to an earlier run of the job.
@@ -365,11 +352,7 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    text = report(results, args)
-    print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as fh:
-            fh.write(text + "\n\n")
+    emit(report(results, args) + "\n", args.output)
     return 0
 
 

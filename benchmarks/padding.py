@@ -45,6 +45,7 @@ import torch
 import transformers
 
 import accelerate_neuron
+from _common import emit, environment, left_padded
 from accelerate_neuron import activation, simulator, tiny
 from accelerate_neuron.builtin import shapes
 from accelerate_neuron.builtin.shapes import record
@@ -85,16 +86,6 @@ def job(distribution: str, batches: int, seed: int) -> list[list[list[int]]]:
     return out
 
 
-def _left_padded(batch: list[list[int]]) -> dict[str, torch.Tensor]:
-    width = max(map(len, batch))
-    ids = torch.zeros((len(batch), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return {"input_ids": ids, "attention_mask": mask}
-
-
 def _model():
     return tiny.model("qwen3", vocab_size=VOCAB, initializer_range=0.3, max_position_embeddings=CONTEXT)
 
@@ -108,7 +99,7 @@ def run(model, batches, new_tokens: int, stock: bool = False) -> dict:
     outputs, started = [], time.perf_counter()
     per_bucket: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     for batch in batches:
-        enc = _left_padded(batch)
+        enc = left_padded(batch)
         before = accelerate_neuron.padding_stats()["generate_prefill"]
         kwargs = {"cache_implementation": "static"} if stock else {}
         if stock and transformers.__version__.startswith("4."):
@@ -141,26 +132,6 @@ def run(model, batches, new_tokens: int, stock: bool = False) -> dict:
     }
 
 
-def _with_env(values: dict[str, str | None]):
-    class Env:
-        def __enter__(self) -> None:
-            self.saved = {k: os.environ.get(k) for k in values}
-            for key, value in values.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-
-        def __exit__(self, *exc: object) -> None:
-            for key, value in self.saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-
-    return Env()
-
-
 def _ratio(entry: dict) -> float:
     return entry["computed"] / entry["real"] if entry["real"] else float("nan")
 
@@ -172,16 +143,16 @@ def section(distribution: str, args, trend: dict) -> list[str]:
     runs = {}
     with activation.unpatched():
         runs["stock + static"] = run(model, measured, args.new_tokens, stock=True)
-    with _with_env({GROUP_ENV: "0"}):
+    with environment({GROUP_ENV: "0"}):
         runs["pow2, one prefill"] = run(model, measured, args.new_tokens)
     runs["pow2"] = run(model, measured, args.new_tokens)
     with tempfile.TemporaryDirectory(prefix="padding-records-") as folder:
-        with _with_env({"TORCH_NEURONX_NEFF_CACHE_DIR": folder}):
+        with environment({"TORCH_NEURONX_NEFF_CACHE_DIR": folder}):
             record.reset()
             run(model, history, args.new_tokens)  # the earlier run of the job: pow2, its sizes recorded
             record.flush()
             record.reset()  # a new run: fit reads the record
-            with _with_env({PROMPT_ENV: "fit"}):
+            with environment({PROMPT_ENV: "fit"}):
                 runs["fit"] = run(model, measured, args.new_tokens)
                 key = record.record_key(model)
                 fitted = shapes.resolve_policy(CONTEXT, key)
@@ -266,10 +237,7 @@ def main() -> None:
         draw(trend, args.svg)
         lines.append(f"Per-bucket trend: `{args.svg}`.")
     text = "\n".join(lines)
-    print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    emit(text, args.output)
 
 
 if __name__ == "__main__":

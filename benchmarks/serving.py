@@ -16,6 +16,10 @@ Scenarios, each on a fresh model with Dynamo reset and a cold (memory-only) NEFF
   default warm-up (the whole grid on Neuron) before the first wave;
 - ``patched, fewer buckets``: the same with query buckets 16, 64, 256, 512 and
   KV buckets 2,048, 8,192, 16,384 (the graphs-versus-padding trade-off);
+- ``patched, fit``: query and KV buckets ``fit`` (``ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS=fit``,
+  ``ACCELERATE_NEURON_SERVING_KV_BUCKETS=fit``), fitted to the step sizes an earlier run of the same server
+  recorded (``--requests`` other requests from seed ``--seed`` + 100, served without a warm-up into a scratch
+  NEFF cache folder, as yesterday's traffic would have), then the same warm-up and waves as ``patched``;
 - ``stock``: every accelerate-neuron patch reverted, with the same cache size
   and token budget as ``patched`` (stock sizes the cache from the host's memory
   on Neuron: upstream's memory probe knows CUDA, XPU and MPS only).
@@ -40,12 +44,11 @@ the warm-up, the most distinct temperatures one step sampled.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
 
 os.environ.setdefault("ACCELERATE_NEURON_SIMULATE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,8 +60,10 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import model_runner
 
 import accelerate_neuron
+from _common import emit, environment
 from accelerate_neuron import activation, simulator, tiny
 from accelerate_neuron.builtin.serving import plan as serving_plan
+from accelerate_neuron.builtin.shapes import record
 from accelerate_neuron.costs import describe, estimate
 from accelerate_neuron.simulator import neff_cache
 
@@ -67,6 +72,8 @@ FEWER = {
     serving_plan.TOKEN_BUCKETS_ENV: "16,64,256,512",
     serving_plan.KV_BUCKETS_ENV: "2048,8192",
 }
+FIT = {serving_plan.TOKEN_BUCKETS_ENV: "fit", serving_plan.KV_BUCKETS_ENV: "fit"}
+WARMUP_ENV = "ACCELERATE_NEURON_SERVING_WARMUP_SHAPES"
 CONTEXT = 2048
 
 
@@ -185,20 +192,6 @@ SAMPLING_GRID = {
 DEVICE_SAMPLING_ENV = "ACCELERATE_NEURON_DEVICE_SAMPLING"
 
 
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def sample_batch(vocab: int, cb: ContinuousBatchingConfig, new_tokens: int = 16) -> dict:
     """One batch of sampling requests with their own settings, after the warm-up: what each step cost."""
     tok = tiny.tokenizer()
@@ -308,10 +301,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.only == "sampling":
         text = "\n".join(sampling_section(args))
-        print(text)
-        if args.output:
-            with open(args.output, "a", encoding="utf-8") as fh:
-                fh.write(text + "\n")
+        emit(text, args.output)
         return
     requests = workload(args.requests, args.seed)
 
@@ -322,13 +312,30 @@ def main() -> None:
         model = fresh_model()
         fewer_tokens, fewer = serve(model, requests, args.waves, None)
         coarse = serving_plan.resolve(model.config.get_text_config(), model.device)
+    with (
+        tempfile.TemporaryDirectory(prefix="serving-records-") as folder,
+        environment({"TORCH_NEURONX_NEFF_CACHE_DIR": folder}),
+    ):
+        record.reset()
+        with environment({WARMUP_ENV: "0"}):  # the earlier run: its step sizes recorded, no grid compiled
+            serve(fresh_model(), workload(args.requests, args.seed + 100), args.waves, None)
+        record.flush()
+        record.reset()  # a new run: fit reads the record
+        with environment(FIT):
+            model = fresh_model()
+            fit_tokens, fitted = serve(model, requests, args.waves, None)
+            fit_plan = serving_plan.resolve(model.config.get_text_config(), model.device)
+        record.reset()
     # Stock gets the patched run's cache size and token budget (it would size the cache from host memory).
     blocks = -(-resolved.kv_cache_tokens // ContinuousBatchingConfig().page_size)
     stock_cb = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=resolved.token_buckets[-1])
     model = fresh_model()
     with activation.unpatched():
         stock_tokens, stock = serve(model, requests, args.waves, stock_cb)
-    mismatches = sum(a != b or c != b for a, b, c in zip(patched_tokens, stock_tokens, fewer_tokens, strict=True))
+    mismatches = sum(
+        any(other != b for other in others)
+        for b, *others in zip(stock_tokens, patched_tokens, fewer_tokens, fit_tokens, strict=True)
+    )
 
     lengths = sorted(len(p) for p, _ in requests)
     news = [n for _, n in requests]
@@ -340,14 +347,15 @@ def main() -> None:
         f"{args.requests} requests in {args.waves} waves; prompt tokens: median {lengths[len(lengths) // 2]}, "
         f"90th percentile {lengths[int(0.9 * (len(lengths) - 1))]}, max {lengths[-1]}; max_new_tokens "
         f"8/16/32/64: {', '.join(str(news.count(n)) for n, _ in NEW_TOKENS)} requests. Patched: "
-        f"{grid(resolved)}; fewer buckets: {grid(coarse)}. "
+        f"{grid(resolved)}; fewer buckets: {grid(coarse)}; fit: {grid(fit_plan)}. "
         f"Requests whose tokens differ between the scenarios: {mismatches} of {len(requests)}.",
         "",
         "| scenario | wave | graphs compiled | eager signatures | est. Trainium compile | query tokens computed / "
         "real | KV tokens read / real | steps | CPU wall |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, rows in (("patched", patched), ("patched, fewer buckets", fewer), ("stock", stock)):
+    scenarios = (("patched", patched), ("patched, fewer buckets", fewer), ("patched, fit", fitted), ("stock", stock))
+    for name, rows in scenarios:
         for wave, row in enumerate(rows, 1):
             label = f"{wave}" + (" (with warm-up)" if wave == 1 and name != "stock" else "")
             lines.append(
@@ -356,10 +364,7 @@ def main() -> None:
             )
     lines += ["", f"Cost model: {describe(patched[0]['estimate'])} (wave 1 of patched), see accelerate_neuron.costs."]
     text = "\n".join(lines)
-    print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    emit(text, args.output)
     if mismatches:
         sys.exit(f"{mismatches} request(s) differ between patched and stock")
 

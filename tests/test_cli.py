@@ -291,14 +291,14 @@ def test_simulate_does_not_change_what_the_script_compiles(tmp_path: Path) -> No
     # One prefill graph (prompt bucket) and one decode graph, alone and under the dry run alike.
     assert report["compiles"] == last_json(proc.stderr)["compiles"] == last_json(alone.stdout)["compiles"] == 2
     assert not report.get("graph_breaks")
-    # The padding the process counted is what the report prints: two one-row prompts padded to 32 columns.
+    # The padding the process counted is what the report prints: two one-row prompts padded to 16 columns.
     counted = last_json(proc.stderr)["padding"]
     for family in ("generate_prefill", "generate_decode"):
         entry = report["padding"][family]
         assert (entry["computed"], entry["real"]) == (counted[family]["computed"], counted[family]["real"])
         assert entry["ratio"] == round(entry["computed"] / entry["real"], 3)
-    # 4.x prefills all but the last prompt token (31 of the bucket's 32 columns), as in tests/test_padding.py.
-    assert report["padding"]["generate_prefill"]["computed"] in (2 * 32, 2 * 31)
+    # 4.x prefills all but the last prompt token (15 of the bucket's 16 columns), as in tests/test_padding.py.
+    assert report["padding"]["generate_prefill"]["computed"] in (2 * 16, 2 * 15)
     assert report["padding"]["generate_decode"]["ratio"] == 1.0
 
 

@@ -50,7 +50,7 @@ def _split_over_two_cores(tmp_path, layers: int):
 
 
 #: Varied prompts: three lengths in one prompt bucket, one in the next, a batch of 3 rows.
-JOB = ((3, 1), (9, 1), (14, 1), (40, 1), (9, 3))
+JOB = ((12, 1), (14, 1), (18, 1), (40, 1), (13, 3))
 
 
 def _job(model, cpu, tok, calls=JOB):
@@ -115,6 +115,21 @@ def test_split_model_generates_compiled_per_layer_and_graphs_do_not_grow_with_de
     ), shapes
     assert two["compiles"] == four["compiles"] == 5
     assert two["eager_signatures"] == four["eager_signatures"]  # the eager part (embeddings, mask, head) is flat
+
+
+def test_rows_of_very_different_lengths_on_a_split_model_prefill_in_groups(sim, tok, tmp_path):
+    """A group's keys and values go into each layer's cache on that layer's core (4.57 once copied them with an
+    index on the first core), and the tokens are the CPU's."""
+    import accelerate_neuron
+
+    torch._dynamo.reset()
+    cpu, split = _split_over_two_cores(tmp_path, 2)
+    accelerate_neuron.reset_padding_stats()
+    enc = tok([_prompt(60), _prompt(3, offset=1), _prompt(4, offset=2)], return_tensors="pt", padding=True)
+    out = split.generate(**{k: v.to(split.device) for k, v in enc.items()}, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out.cpu(), cpu.generate(**enc, max_new_tokens=NEW, do_sample=False))
+    computed = accelerate_neuron.padding_stats()["generate_prefill"]["computed"]
+    assert computed < 4 * enc["input_ids"].shape[1], computed  # grouped: not 4 rows (3 + a dummy) at the long bucket
 
 
 def test_regions_setting_off_layers_and_auto(sim, tok, tmp_path, monkeypatch):

@@ -221,6 +221,42 @@ def test_fit_runs_on_pow2_without_history_then_on_the_fitted_set_saved_for_every
 
 
 @pytest.mark.one_pair
+def test_fit_waits_until_the_recorded_sizes_predict_the_next_ones(records, monkeypatch, caplog) -> None:
+    """Sizes that fit themselves but not the job (one of each, far apart) keep pow2; a larger history of the
+    same job fits. Held out: a set fitted to half the sizes, scored on the other half against powers of two."""
+    import random
+
+    from accelerate_neuron.builtin.shapes import fit
+
+    monkeypatch.setenv(PROMPT_ENV, "fit")
+    pow2 = shapes.pow2_prompt_buckets(2048)
+    few = {20: 1, 40: 1, 80: 1, 160: 1, 700: 1}  # a bucket on each would fit these five and nothing near them
+    assert fit.held_out(few, fit.pow2_budget(few, pow2[0]), pow2) >= 1
+    assert fit.held_out({48: 3}, 1, pow2) < 1 and fit.held_out({48: 1}, 1, pow2) is None
+    key = "qwen3-00000000000000cc"
+    for size, count in few.items():
+        records.note(key, "prompt_buckets", size, count)
+    records.flush()
+    records.reset()
+    with caplog.at_level(logging.INFO, logger="accelerate_neuron"):
+        assert shapes.resolve_policy(2048, key).prompt_buckets == pow2
+    said = [r.getMessage() for r in caplog.records if "do not predict each other yet" in r.getMessage()]
+    assert len(said) == 1 and "5 sizes" in said[0] and "x the positions pow2 does" in said[0], said
+    assert "prompt_buckets" not in json.loads((records.root() / f"{key}.json").read_text())["fitted"]
+    rng = random.Random(0)  # the same job, longer: lognormal lengths around 48
+    for _ in range(400):
+        records.note(key, "prompt_buckets", max(4, min(2048, round(rng.lognormvariate(3.87, 1.0)))))
+    records.flush()
+    records.reset()
+    fitted = shapes.resolve_policy(2048, key).prompt_buckets
+    upcoming: dict[int, int] = {}  # sizes the job sends next, none of them recorded
+    for _ in range(400):
+        size = max(4, min(2048, round(rng.lognormvariate(3.87, 1.0))))
+        upcoming[size] = upcoming.get(size, 0) + 1
+    assert fitted != pow2 and fit.cost(upcoming, fitted) < fit.cost(upcoming, pow2)
+
+
+@pytest.mark.one_pair
 @pytest.mark.parametrize("damage", ["corrupt", "foreign", "mismatched", "huge size"])
 def test_a_record_that_cannot_be_trusted_is_ignored_with_one_warning(records, monkeypatch, caplog, damage) -> None:
     monkeypatch.setenv(PROMPT_ENV, "fit")
@@ -308,7 +344,7 @@ def test_row_groups_are_the_cheapest_cuts_of_the_sorted_rows() -> None:
 @pytest.mark.one_pair
 def test_fit_fits_training_and_serving_buckets_from_their_own_records(records, monkeypatch) -> None:
     key = "qwen3-00000000000000bb"
-    for size, rows in ((100, 6), (120, 2), (300, 1)):
+    for size, rows in ((100, 18), (120, 6), (300, 3)):
         records.note(key, "train_buckets", size, rows)
         records.note(key, "serving_token_buckets", size // 4, rows)
     records.flush()

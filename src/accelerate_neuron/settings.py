@@ -446,7 +446,7 @@ SETTINGS: tuple[Setting, ...] = (
         parse_buckets,
         POW2,
         _BUCKETS,
-        "Prompt lengths `generate()` pads to, on the left (`pow2`: 32, 64, ... up to `max_position_embeddings`); "
+        "Prompt lengths `generate()` pads to, on the left (`pow2`: 16, 32, 64, ... up to `max_position_embeddings`); "
         "an encoder-decoder's encoder input is padded on the right.",
         "generation",
         hook="neuron_generation_shape_policy",

@@ -93,7 +93,7 @@ def prefill(
         index = list(group.rows) + [group.rows[0]] * (group.padded_rows - len(group.rows))
         own = type(cache)(config=config, max_cache_len=width)
         outputs = call(**_group_inputs(kwargs, cache_key, own, index, offset, width, device))
-        _copy_into(cache, own, index, offset, width, device)
+        _copy_into(cache, own, index, offset, width)
         last = outputs.logits[:, -1]
         if greedy:
             picked = last.argmax(dim=-1).to("cpu")[: len(group.rows)]
@@ -148,13 +148,16 @@ def _group_mask(mask: torch.Tensor, index: list[int], offset: int, width: int, d
     return picked[:, :, offset : offset + width, offset : offset + width].contiguous().to(device)
 
 
-def _copy_into(cache: Any, own: Any, index: list[int], offset: int, width: int, device: torch.device) -> None:
-    """The group's keys and values into the batch cache's rows, at the columns the batch's prefill writes."""
-    rows = torch.tensor(index, dtype=torch.long).to(device)
+def _copy_into(cache: Any, own: Any, index: list[int], offset: int, width: int) -> None:
+    """The group's keys and values into the batch cache's rows, at the columns the batch's prefill writes (each
+    layer's on its own core: a model split over cores keeps its layers' caches where the layers are)."""
+    rows = torch.tensor(index, dtype=torch.long)
+    on: dict[torch.device, torch.Tensor] = {}
     for layer, mine in zip(cache.layers, own.layers, strict=True):
         for name in ("keys", "values"):
             target = getattr(layer, name)
-            target[:, :, offset : offset + width].index_copy_(0, rows, getattr(mine, name)[:, :, :width])
+            here = on.setdefault(target.device, rows.to(target.device))
+            target[:, :, offset : offset + width].index_copy_(0, here, getattr(mine, name)[:, :, :width])
 
 
 def _set_lengths(cache: Any, columns: int) -> None:

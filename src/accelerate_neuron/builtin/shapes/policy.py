@@ -26,7 +26,7 @@ from .record import fitted_buckets
 PROMPT_BUCKETS_ENV = settings.env_name("prompt_buckets")
 BATCH_BUCKETS_ENV = settings.env_name("batch_buckets")
 #: Shortest ``pow2`` prompt bucket: shorter prefills cost next to nothing, and would each be a graph.
-MIN_PROMPT_BUCKET = 32
+MIN_PROMPT_BUCKET = 16
 #: Without a known context length, ``pow2`` length buckets stop here (a longer input runs at its own length).
 DEFAULT_MAX_LENGTH = 8192
 #: Largest ``pow2`` batch bucket; larger batches run at their own size.

@@ -13,7 +13,9 @@ A bucket setting set to ``fit`` takes its buckets from there
 (:func:`fitted_buckets`), once per process and model: the set of at most as
 many buckets as powers of two would use on the recorded sizes that computes the
 fewest positions (:mod:`.fit`), then the setting's ``pow2`` buckets beyond the
-largest size seen (a size never seen pads as it would have). The set is saved in the record and reused,
+largest size seen (a size never seen pads as it would have), once a set fitted to half the recorded sizes
+computes fewer positions on the other half than the powers of two (:func:`.fit.held_out`: too few sizes fit
+themselves, not the job). The set is saved in the record and reused,
 identical on every rank and in every later run, so compiled graphs keep their
 keys; a later run refits only when the sizes recorded since make a new set
 compute at least :data:`REFIT_GAIN` fewer positions. A model with no recorded
@@ -194,11 +196,28 @@ def _choose(key: str, setting: str, pow2: Buckets) -> Buckets:
             root(),
         )
         return pow2
-    chosen = fitting.fit(sizes, fitting.pow2_budget(sizes, pow2[0] if pow2 else 1))
+    budget = fitting.pow2_budget(sizes, pow2[0] if pow2 else 1)
+    saved = record["fitted"].get(setting)
+    if saved is None and pow2:
+        # Not fitted yet: only once the sizes recorded predict the ones that follow (a set fitted to half of them
+        # computes fewer positions than the powers of two on the other half).
+        share = fitting.held_out(sizes, budget, pow2)
+        if share is None or share >= 1:
+            logs.once(
+                logger,
+                ("shapes.fit_not_yet", key, setting),
+                "accelerate_neuron: %s=fit: the %d sizes recorded for this model do not predict each other yet "
+                "(%s), so this run stays on pow2 and records more; a later run fits once they do.",
+                settings.env_name(setting),
+                sum(sizes.values()),
+                "one size"
+                if share is None
+                else f"buckets fitted to half of them compute {share:.2f}x the positions pow2 does on the other half",
+            )
+            return pow2
     # Beyond the largest size seen, the powers of two: a size never seen pads as it would have (each bucket is a
     # graph only once a call needs it).
-    new = (*chosen, *(b for b in pow2 if b > chosen[-1]))
-    saved = record["fitted"].get(setting)
+    new = fitting.with_tail(fitting.fit(sizes, budget), pow2)
     if saved is not None and fitting.cost(sizes, saved) * (1 - REFIT_GAIN) <= fitting.cost(sizes, new):
         return Buckets(saved, setting)
     try:
