@@ -287,6 +287,28 @@ def test_seeds_reproduce_with_dummy_rows_and_differ_between_seeds(sim, model, to
     assert torch.equal(model.generate(**enc, **kwargs).cpu(), runs[0])
 
 
+def test_rows_of_very_different_lengths_prefill_in_groups_and_sample_on_the_device(sim, model, tok, monkeypatch):
+    """A long prompt among short ones: the prefill runs group by group (not every row at the long row's bucket)
+    and the device's sampler draws from the groups' logits as it would from one prefill's (the same seed, the same
+    tokens), one id per row crossing to the host."""
+    import accelerate_neuron
+
+    enc = tok([prompt(60)] + [prompt(n, offset=n) for n in (2, 3, 4)], return_tensors="pt", padding=True)
+    kwargs = {**SAMPLE, "max_new_tokens": 6}
+    runs = {}
+    for grouped in ("1", "0"):
+        monkeypatch.setenv("ACCELERATE_NEURON_GROUP_ROWS", grouped)
+        accelerate_neuron.reset_padding_stats()
+        torch.manual_seed(5)
+        runs[grouped] = (model.generate(**enc, **kwargs).cpu(), accelerate_neuron.padding_stats()["generate_prefill"])
+    (together, one_prefill), (apart, grouped_prefill) = runs["0"], runs["1"]
+    assert torch.equal(apart, together)
+    assert grouped_prefill["real"] == one_prefill["real"] and grouped_prefill["computed"] < one_prefill["computed"] / 2
+    monkeypatch.setenv("ACCELERATE_NEURON_GROUP_ROWS", "1")
+    per_step, _ = bytes_per_step(model, on(model.device, enc), **SAMPLE)
+    assert per_step <= 4 * 8 + 8  # one id per row: the sampler is still on the device
+
+
 def sampling_graphs(stats: dict) -> int:
     return sum(1 for g in stats["graphs"] if (g.get("frame") or {}).get("function") == "sampling_step")
 

@@ -202,7 +202,7 @@ def test_fit_runs_on_pow2_without_history_then_on_the_fitted_set_saved_for_every
     with caplog.at_level(logging.WARNING, logger="accelerate_neuron"):
         assert shapes.resolve_policy(256, key).prompt_buckets == shapes.pow2_prompt_buckets(256)
     assert any("no sizes recorded yet" in r.getMessage() for r in caplog.records)
-    for size, rows in ((5, 4), (7, 2), (9, 8), (40, 1), (41, 3), (120, 1)):
+    for size, rows in ((5, 16), (7, 8), (9, 32), (40, 4), (41, 12), (128, 4)):
         records.note(key, "prompt_buckets", size, rows)
     assert shapes.resolve_policy(256, key).prompt_buckets == shapes.pow2_prompt_buckets(256)  # frozen for the run
     records.flush()
@@ -210,14 +210,14 @@ def test_fit_runs_on_pow2_without_history_then_on_the_fitted_set_saved_for_every
     assert path.stat().st_mode & 0o077 == 0  # nobody else may write (or read) it
     records.reset()  # a new run
     fitted = shapes.resolve_policy(256, key).prompt_buckets
-    # Powers of two reach 32, 64 and 128 for these sizes: three buckets, fitted, then 128 and 256 for sizes never
-    # seen (the powers of two beyond the largest size seen).
-    assert fitted == (9, 41, 120, 128, 256)
-    assert json.loads(path.read_text())["fitted"]["prompt_buckets"] == [9, 41, 120, 128, 256]
+    # Powers of two reach 16, 64 and 128 for these sizes: three buckets, fitted, then 256 for sizes never seen (the
+    # powers of two beyond the largest size seen).
+    assert fitted == (9, 41, 128, 256)
+    assert json.loads(path.read_text())["fitted"]["prompt_buckets"] == [9, 41, 128, 256]
     records.note(key, "prompt_buckets", 30, 1)  # a little more history: within 5% of the saved set, kept
     records.flush()
     records.reset()
-    assert shapes.resolve_policy(256, key).prompt_buckets == (9, 41, 120, 128, 256)
+    assert shapes.resolve_policy(256, key).prompt_buckets == (9, 41, 128, 256)
 
 
 @pytest.mark.one_pair
@@ -231,8 +231,8 @@ def test_fit_waits_until_the_recorded_sizes_predict_the_next_ones(records, monke
     monkeypatch.setenv(PROMPT_ENV, "fit")
     pow2 = shapes.pow2_prompt_buckets(2048)
     few = {20: 1, 40: 1, 80: 1, 160: 1, 700: 1}  # a bucket on each would fit these five and nothing near them
-    assert fit.held_out(few, fit.pow2_budget(few, pow2[0]), pow2) >= 1
-    assert fit.held_out({48: 3}, 1, pow2) < 1 and fit.held_out({48: 1}, 1, pow2) is None
+    assert fit.held_out(few, pow2) >= 1
+    assert fit.held_out({48: 3}, pow2) < 1 and fit.held_out({48: 1}, pow2) is None
     key = "qwen3-00000000000000cc"
     for size, count in few.items():
         records.note(key, "prompt_buckets", size, count)
@@ -344,17 +344,17 @@ def test_row_groups_are_the_cheapest_cuts_of_the_sorted_rows() -> None:
 @pytest.mark.one_pair
 def test_fit_fits_training_and_serving_buckets_from_their_own_records(records, monkeypatch) -> None:
     key = "qwen3-00000000000000bb"
-    for size, rows in ((100, 18), (120, 6), (300, 3)):
+    for size, rows in ((100, 18), (120, 6), (512, 3)):
         records.note(key, "train_buckets", size, rows)
         records.note(key, "serving_token_buckets", size // 4, rows)
     records.flush()
     records.reset()
     monkeypatch.setenv("ACCELERATE_NEURON_TRAIN_BUCKETS", "fit")
     monkeypatch.setenv("ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS", "fit")
-    # Powers of two reach 128 and 512 for 100/120/300: two buckets; the cheapest two are 120 (8 rows) and 300.
-    assert tuple(resolve_policy(512, key).buckets) == (120, 300, 512)
+    # Powers of two reach 128 and 512 for 100/120/512: two buckets; the cheapest two are 120 (24 rows) and 512.
+    assert tuple(resolve_policy(512, key).buckets) == (120, 512)
     served = shapes.buckets(
         "serving_token_buckets", {}, "token_buckets", lambda: shapes.pow2(16, 512, "serving_token_buckets"), record=key
     )
-    assert tuple(served) == (30, 75, 128, 256, 512)  # 25/30/75 reach 32 and 128: two buckets, then powers of two
-    assert tuple(resolve_policy(512, None).buckets) != (120, 300, 512)  # no record key (no config): pow2
+    assert tuple(served) == (30, 128, 256, 512)  # 25/30/128 reach 32 and 128: two buckets, then powers of two
+    assert tuple(resolve_policy(512, None).buckets) != (120, 512)  # no record key (no config): pow2

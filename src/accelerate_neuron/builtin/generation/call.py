@@ -285,8 +285,7 @@ class GenerateCall:
         return [self.prompt or 0] * rows
 
     def _groups(self, row_extents: list[int], rows: int) -> list[prefill_groups.Group] | None:
-        if not self.may_group or self.policy is None or self.sampling is not None:
-            # Sampling on the device takes the whole batch's logits from one prefill (see :meth:`compiled`).
+        if not self.may_group or self.policy is None:
             return None
         return prefill_groups.plan(
             row_extents,
@@ -333,8 +332,9 @@ class GenerateCall:
         if (self.padded or self.may_group) and not self.regional:
             shapes.make_room_for_buckets()
         greedy = self.greedy
-        if self.sampling is not None or (not greedy and not self.dummy and not self.may_group):
-            # Sampling on the device picks from the logits where they are (dummy rows included) afterwards.
+        # Sampling on the device picks from the logits where they are (dummy rows included) afterwards.
+        sampling = self.sampling is not None
+        if not self.may_group and (sampling or (not greedy and not self.dummy)):
             self.compiled_forward = call
             return call
         rows = self.batch if self.dummy else None
@@ -344,12 +344,23 @@ class GenerateCall:
                 self.prefill_on_host = False
                 if not args and self.groups and prefill_groups.groupable(kwargs):
                     outputs = prefill_groups.prefill(
-                        call, kwargs, self.groups, self.prompt + self.pad, self.device, greedy, self.model.config
+                        call,
+                        kwargs,
+                        self.groups,
+                        self.prompt + self.pad,
+                        self.device,
+                        greedy,
+                        self.model.config,
+                        keep_on_device=sampling,
                     )
+                    if sampling:
+                        return outputs
                     return shapes.last_logits_of_rows(outputs, self.batch, self.batch + self.dummy)
                 self.groups = None  # not a prefill the groups can take apart: it runs as one, on the device
                 args, kwargs = devices.move(args, self.device), devices.move(kwargs, self.device)
             outputs = call(*args, **kwargs)
+            if sampling:
+                return outputs
             if greedy:
                 return devices.select_greedy(outputs, rows)
             if self.dummy:

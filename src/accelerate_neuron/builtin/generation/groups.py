@@ -74,12 +74,14 @@ def prefill(
     device: torch.device,
     greedy: bool,
     config: Any,
+    keep_on_device: bool = False,
 ) -> Any:
     """Run the prefill ``call(**kwargs)`` (host inputs, the batch's layout) group by group; the batch's outputs.
 
     ``padded_width``: the batch's padded prompt columns (the prefill's columns, plus the last prompt token on
     Transformers 4.x, which prefills it with the first decode step). Logits come back on the host, the last
-    position's only; ``greedy``: as a one-hot row of the device-side argmax (only ids cross, as for decode steps).
+    position's only; ``greedy``: as a one-hot row of the device-side argmax (only ids cross, as for decode steps);
+    ``keep_on_device``: they stay on the device, every row of the batch (dummy rows: row 0's), for a sampler there.
     """
     cache_key = next(k for k in _CACHE_KEYS if kwargs.get(k) is not None)
     cache = kwargs[cache_key]
@@ -95,15 +97,17 @@ def prefill(
         outputs = call(**_group_inputs(kwargs, cache_key, own, index, offset, width, device))
         _copy_into(cache, own, index, offset, width)
         last = outputs.logits[:, -1]
-        if greedy:
+        if keep_on_device:
+            part = last[: len(group.rows)]
+        elif greedy:
             picked = last.argmax(dim=-1).to("cpu")[: len(group.rows)]
             part = torch.zeros((len(group.rows), last.shape[-1]), dtype=torch.float32)
             part.scatter_(-1, picked.view(-1, 1), 1.0)
         else:
             part = last.to("cpu")[: len(group.rows)]
         if logits is None:
-            logits = torch.zeros((rows, 1, part.shape[-1]), dtype=part.dtype)
-        logits[list(group.rows), 0] = part
+            logits = torch.zeros((rows, 1, part.shape[-1]), dtype=part.dtype, device=part.device)
+        logits[torch.tensor(group.rows).to(part.device), 0] = part
     assert outputs is not None and logits is not None
     filled = {r for g in groups for r in g.rows}
     for row in range(rows):  # the batch's dummy rows (copies of row 0): their logits are cut later

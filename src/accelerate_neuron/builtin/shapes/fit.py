@@ -43,9 +43,23 @@ def with_tail(fitted: tuple[int, ...], tail: tuple[int, ...]) -> tuple[int, ...]
     return (*fitted, *(b for b in tail if not fitted or b > fitted[-1]))
 
 
-def held_out(histogram: Mapping[int, int], budget: int, tail: tuple[int, ...]) -> float | None:
-    """Positions that sets fitted to one half of ``histogram`` compute on the other half, as a share of what
-    ``tail`` (the powers of two) computes on it, both halves in turn: below 1 when fitting predicts the job's
+def fitted(histogram: Mapping[int, int], tail: tuple[int, ...]) -> tuple[int, ...]:
+    """The buckets ``fit`` chooses for ``histogram`` (not empty): fitted ones, then ``tail``'s (the powers of two)
+    beyond the largest size seen, with no more buckets up to ``tail``'s bucket of that size than ``tail`` has
+    there, so a warm-up of every bucket compiles no more graphs than on ``tail``."""
+    if not tail:
+        return fit(histogram, pow2_budget(histogram))
+    powers = Buckets(tuple(tail))
+    reached = {powers.at_least(size) or size for size in histogram}
+    largest = max(histogram)
+    above = powers.at_least(largest)
+    budget = len(reached) - (1 if above is not None and above != largest and len(reached) > 1 else 0)
+    return with_tail(fit(histogram, budget), tail)
+
+
+def held_out(histogram: Mapping[int, int], tail: tuple[int, ...]) -> float | None:
+    """Positions that sets :func:`fitted` to one half of ``histogram`` compute on the other half, as a share of
+    what ``tail`` (the powers of two) computes on it, both halves in turn: below 1 when fitting predicts the job's
     next sizes. None when a half would be empty (one recorded size).
 
     The split is a fixed hash of (size, occurrence): the same on every rank and run.
@@ -58,9 +72,9 @@ def held_out(histogram: Mapping[int, int], budget: int, tail: tuple[int, ...]) -
             half[size] = half.get(size, 0) + 1
     if not all(halves):
         return None
-    fitted = sum(cost(test, with_tail(fit(train, budget), tail)) for train, test in (halves, halves[::-1]))
+    chosen = sum(cost(test, fitted(train, tail)) for train, test in (halves, halves[::-1]))
     powers = sum(cost(half, tail) for half in halves)
-    return fitted / powers
+    return chosen / powers
 
 
 def fit(histogram: Mapping[int, int], budget: int) -> tuple[int, ...]:
