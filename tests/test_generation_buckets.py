@@ -113,7 +113,7 @@ def test_varied_prompts_compile_one_graph_per_bucket_and_match_cpu(sim, referenc
 def test_rows_of_very_different_lengths_prefill_in_groups_and_match_cpu(sim, reference, tok, sample, monkeypatch):
     """One long row no longer pads seven short ones to its bucket: each group prefills at its own, decode together.
 
-    Sampling on the host's path (the CPU's numbers); sampling on the device prefills as one batch (test_sampling).
+    Sampling on the host's path (the CPU's numbers); sampling on the device: test_sampling's grouped case.
     """
     import accelerate_neuron
 
