@@ -12,7 +12,7 @@ clipped to 4-448; each request's ``max_new_tokens`` is drawn from 8 (40%), 16
 Scenarios, each on a fresh model with Dynamo reset and a cold (memory-only) NEFF cache:
 
 - ``patched``: accelerate-neuron as installed, default settings (query buckets
-  32 ... 512, KV buckets 512 ... 16,384, a 16,384-token cache), upstream's
+  16 ... 512, KV buckets 512 ... 16,384, a 16,384-token cache), upstream's
   default warm-up (the whole grid on Neuron) before the first wave;
 - ``patched, fewer buckets``: the same with query buckets 16, 64, 256, 512 and
   KV buckets 2,048, 8,192, 16,384 (the graphs-versus-padding trade-off);

@@ -135,7 +135,7 @@ def neuron_serving_shape_policy(max_position_embeddings: int | None, kv_bytes_pe
     KV-token counts a step reads; the cache's capacity is always the last),
     ``"kv_cache_tokens"`` (the paged cache's capacity in tokens). ``"pow2"``
     and ``"off"`` are accepted as for the settings; a missing key keeps the
-    built-in default (powers of two: tokens 32 ... 512, KV 512 ... capacity;
+    built-in default (powers of two: tokens 16 ... 512, KV 512 ... capacity;
     16384 tokens of cache). The ``serving_*`` settings the user set
     (``ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS``, ...) win over any plugin.
     """

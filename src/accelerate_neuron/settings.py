@@ -614,7 +614,7 @@ SETTINGS: tuple[Setting, ...] = (
         parse_buckets,
         POW2,
         _BUCKETS,
-        "Query tokens a continuous-batching step on Neuron is padded to (`pow2`: 32, 64, ... 512); the largest is "
+        "Query tokens a continuous-batching step on Neuron is padded to (`pow2`: 16, 32, ... 512); the largest is "
         "the step's token budget (a longer prompt is split across steps). `off` (here or in "
         "`ACCELERATE_NEURON_SERVING_KV_BUCKETS`): no padding and no compiled step, upstream's eager path (the KV "
         "cache keeps its Neuron size).",
