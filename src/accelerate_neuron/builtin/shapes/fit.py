@@ -43,21 +43,24 @@ def with_tail(fitted: tuple[int, ...], tail: tuple[int, ...]) -> tuple[int, ...]
     return (*fitted, *(b for b in tail if not fitted or b > fitted[-1]))
 
 
-def fitted(histogram: Mapping[int, int], tail: tuple[int, ...]) -> tuple[int, ...]:
-    """The buckets ``fit`` chooses for ``histogram`` (not empty): fitted ones, then ``tail``'s (the powers of two)
-    beyond the largest size seen, with no more buckets up to ``tail``'s bucket of that size than ``tail`` has
-    there, so a warm-up of every bucket compiles no more graphs than on ``tail``."""
+def fitted(histogram: Mapping[int, int], tail: tuple[int, ...], whole_grid: bool = False) -> tuple[int, ...]:
+    """The buckets ``fit`` chooses for ``histogram`` (not empty): as many fitted ones as ``tail`` (the powers of
+    two) has buckets the recorded sizes reach, then ``tail``'s beyond the largest size seen.
+
+    ``whole_grid``: every bucket is compiled, reached or not (a server's warm-up), so ``tail``'s bucket above the
+    largest size seen counts against the budget too: no more buckets up to it than ``tail`` has there.
+    """
     if not tail:
         return fit(histogram, pow2_budget(histogram))
     powers = Buckets(tuple(tail))
     reached = {powers.at_least(size) or size for size in histogram}
     largest = max(histogram)
     above = powers.at_least(largest)
-    budget = len(reached) - (1 if above is not None and above != largest and len(reached) > 1 else 0)
-    return with_tail(fit(histogram, budget), tail)
+    spare = whole_grid and above is not None and above != largest and len(reached) > 1
+    return with_tail(fit(histogram, len(reached) - spare), tail)
 
 
-def held_out(histogram: Mapping[int, int], tail: tuple[int, ...]) -> float | None:
+def held_out(histogram: Mapping[int, int], tail: tuple[int, ...], whole_grid: bool = False) -> float | None:
     """Positions that sets :func:`fitted` to one half of ``histogram`` compute on the other half, as a share of
     what ``tail`` (the powers of two) computes on it, both halves in turn: below 1 when fitting predicts the job's
     next sizes. None when a half would be empty (one recorded size).
@@ -72,7 +75,7 @@ def held_out(histogram: Mapping[int, int], tail: tuple[int, ...]) -> float | Non
             half[size] = half.get(size, 0) + 1
     if not all(halves):
         return None
-    chosen = sum(cost(test, fitted(train, tail)) for train, test in (halves, halves[::-1]))
+    chosen = sum(cost(test, fitted(train, tail, whole_grid)) for train, test in (halves, halves[::-1]))
     powers = sum(cost(half, tail) for half in halves)
     return chosen / powers
 

@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 FOLDER = "accelerate-neuron-shapes"
 FORMAT = "accelerate-neuron shape record"
 VERSION = 1
+#: Settings whose every bucket a warm-up compiles, reached or not (a server's grid): their fitted sets count the
+#: powers of two's bucket above the largest size seen against the graph budget.
+WHOLE_GRID = frozenset({"serving_token_buckets", "serving_kv_buckets"})
 #: A later run refits only when the new set computes this share fewer positions than the saved one.
 REFIT_GAIN = 0.05
 #: Bounds of a record we read: its size on disk, the distinct sizes per setting, one count.
@@ -200,7 +203,7 @@ def _choose(key: str, setting: str, pow2: Buckets) -> Buckets:
     if saved is None and pow2:
         # Not fitted yet: only once the sizes recorded predict the ones that follow (a set fitted to half of them
         # computes fewer positions than the powers of two on the other half).
-        share = fitting.held_out(sizes, pow2)
+        share = fitting.held_out(sizes, pow2, setting in WHOLE_GRID)
         if share is None or share >= 1:
             logs.once(
                 logger,
@@ -216,7 +219,7 @@ def _choose(key: str, setting: str, pow2: Buckets) -> Buckets:
             return pow2
     # Beyond the largest size seen, the powers of two: a size never seen pads as it would have (each bucket is a
     # graph only once a call needs it).
-    new = fitting.fitted(sizes, pow2)
+    new = fitting.fitted(sizes, pow2, setting in WHOLE_GRID)
     if saved is not None and fitting.cost(sizes, saved) * (1 - REFIT_GAIN) <= fitting.cost(sizes, new):
         return Buckets(saved, setting)
     try:
