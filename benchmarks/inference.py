@@ -94,7 +94,8 @@ class Positions:
                     if call.tokens and "attention_mask" in call.inputs
                     else call.rows * max(call.length, 1)
                 )
-                counter.computed += call.computed  # the groups' shapes when its rows run in groups
+                # the groups' shapes when its rows run in groups; images and audio: rows (their size is fixed)
+                counter.computed += call.computed if call.tokens else call.padded_rows
                 return padded
 
             inference_call.ForwardCall.pad = pad
