@@ -15,8 +15,8 @@ answer is a pure function of the histogram: identical on every rank and run.
 
 A set fitted to few sizes can fit them too closely: every bucket sits on a size
 seen, so the sizes just above it that the job sends next pay up to the next
-bucket (a two-humped job fitted to three calls computed 1.4x what powers of two
-did on new calls). :func:`held_out` checks a fit on sizes it was not fitted to
+bucket (a two-humped job fitted to three calls padded its next calls 1.78x where
+powers of two padded 1.58x). :func:`held_out` checks a fit on sizes it was not fitted to
 (two-fold cross-validation on a deterministic split) before it is used.
 """
 
