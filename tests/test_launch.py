@@ -349,15 +349,12 @@ def test_without_a_launcher_the_surviving_rank_raises_when_its_peer_dies(tmp_pat
     The simulated collectives run over gloo's TCP transport, which sees the dead peer's socket close; on
     Trainium they run over the Neuron runtime's collectives, whose dead-peer behaviour only hardware shows.
     """
-    import socket
     import subprocess
     import time
 
-    from helpers import REPO, clean_env
+    from helpers import REPO, clean_env, free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "out"
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     started = time.monotonic()
