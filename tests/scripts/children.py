@@ -25,7 +25,10 @@ import time
 
 
 def _say(**fields: object) -> None:
-    print(json.dumps({"pid": os.getpid(), **fields}), flush=True)
+    # One write(2) per line: the children share the parent's pipe, and print() writes the text and its newline
+    # separately, so two children's lines could interleave. A pipe write up to PIPE_BUF bytes is atomic.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (json.dumps({"pid": os.getpid(), **fields}) + "\n").encode())
 
 
 def _eager(width: int) -> int:
