@@ -21,10 +21,13 @@ Settings, each on the same prompts (``--batches`` batches from ``--seed + 1``):
   run of the same job recorded (``--batches`` batches from ``--seed``, run once on ``pow2`` in the same process,
   its record written to a scratch NEFF cache folder, as a previous run of the job would have).
 
-Every setting's tokens are compared with stock's. The per-bucket trend (positions per real one of the prefill,
-by the pow2 bucket of each prompt, for pow2 and fit) is drawn into ``docs/padding-per-bucket.svg`` (matplotlib).
+Every setting's tokens are compared with stock's; with ``--sample`` (each call samples, top-k 50 and temperature
+0.8, from its own seed, on the device's sampler) with ``pow2, one prefill``'s: the device draws from its own
+generator, not the host's, so grouping the prefill must not change a draw, and stock's draws are not comparable.
+The per-bucket trend (positions per real one of the prefill, by the pow2 bucket of each prompt, for pow2 and fit)
+is drawn into ``docs/padding-per-bucket.svg`` (matplotlib).
 
-    python benchmarks/padding.py [--batches 24] [--seed 0] [--new-tokens 4] [--only lognormal-48,...]
+    python benchmarks/padding.py [--batches 24] [--seed 0] [--new-tokens 4] [--sample] [--only lognormal-48,...]
                                  [--svg docs/padding-per-bucket.svg] [--output FILE]
 """
 
@@ -90,21 +93,28 @@ def _model():
     return tiny.model("qwen3", vocab_size=VOCAB, initializer_range=0.3, max_position_embeddings=CONTEXT)
 
 
-def run(model, batches, new_tokens: int, stock: bool = False) -> dict:
-    """One job on a cold NEFF cache: its outputs, compiles, eager signatures and padding (prefill, decode)."""
+def run(model, batches, new_tokens: int, stock: bool = False, sample: bool = False) -> dict:
+    """One job on a cold NEFF cache: its outputs, compiles, eager signatures and padding (prefill, decode).
+
+    ``sample``: each call samples (top-k 50, temperature 0.8) from its own seed (1,000 + its index)."""
     torch._dynamo.reset()
     neff_cache.use(None)
     simulator.reset_stats()
     accelerate_neuron.reset_padding_stats()
     outputs, started = [], time.perf_counter()
     per_bucket: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    for batch in batches:
+    for index, batch in enumerate(batches):
         enc = left_padded(batch)
         before = accelerate_neuron.padding_stats()["generate_prefill"]
         kwargs = {"cache_implementation": "static"} if stock else {}
+        if sample:
+            kwargs.update(do_sample=True, top_k=50, temperature=0.8)
+            torch.manual_seed(1000 + index)
+        else:
+            kwargs["do_sample"] = False
         if stock and transformers.__version__.startswith("4."):
             enc = {k: v.to(model.device) for k, v in enc.items()}  # 4.x refuses host inputs
-        out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, **kwargs)
+        out = model.generate(**enc, max_new_tokens=new_tokens, **kwargs)
         outputs.append(out.cpu())
         if not stock:  # each prompt's share of the prefill, by the pow2 bucket of its length
             after = accelerate_neuron.padding_stats()["generate_prefill"]
@@ -142,44 +152,54 @@ def section(distribution: str, args, trend: dict) -> list[str]:
     model = _model().to("neuron")
     runs = {}
     with activation.unpatched():
-        runs["stock + static"] = run(model, measured, args.new_tokens, stock=True)
+        runs["stock + static"] = run(model, measured, args.new_tokens, stock=True, sample=args.sample)
     with environment({GROUP_ENV: "0"}):
-        runs["pow2, one prefill"] = run(model, measured, args.new_tokens)
-    runs["pow2"] = run(model, measured, args.new_tokens)
+        runs["pow2, one prefill"] = run(model, measured, args.new_tokens, sample=args.sample)
+    runs["pow2"] = run(model, measured, args.new_tokens, sample=args.sample)
     with tempfile.TemporaryDirectory(prefix="padding-records-") as folder:
         with environment({"TORCH_NEURONX_NEFF_CACHE_DIR": folder}):
             record.reset()
-            run(model, history, args.new_tokens)  # the earlier run of the job: pow2, its sizes recorded
+            # The earlier run of the job: pow2, its sizes recorded.
+            run(model, history, args.new_tokens, sample=args.sample)
             record.flush()
             record.reset()  # a new run: fit reads the record
             with environment({PROMPT_ENV: "fit"}):
-                runs["fit"] = run(model, measured, args.new_tokens)
+                runs["fit"] = run(model, measured, args.new_tokens, sample=args.sample)
                 key = record.record_key(model)
                 fitted = shapes.resolve_policy(CONTEXT, key)
             record.reset()
-    reference = runs["stock + static"]["outputs"]
+    # Sampling: the device's sampler draws from the device's generator, not the host's (docs/generation.md), so
+    # the patched settings are compared with one prefill's tokens (grouping must not change a draw), stock with
+    # nothing.
+    compared = "pow2, one prefill" if args.sample else "stock + static"
+    reference = runs[compared]["outputs"]
     rows = []
     for name, result in runs.items():
-        same = sum(torch.equal(a, b) for a, b in zip(result["outputs"], reference, strict=True))
+        if args.sample and name == "stock + static":
+            same = "n/a (host sampler)"
+        else:
+            equal = sum(torch.equal(a, b) for a, b in zip(result["outputs"], reference, strict=True))
+            same = f"{equal}/{len(reference)}"
         cost = estimate(result["graphs"], result["eager"])
         rows.append(
             f"| {name} | {_ratio(result['prefill']):.2f} | {_ratio(result['decode']):.2f} | {result['graphs']} | "
-            f"{result['eager']} | {cost['seconds'] / 60:.0f} min | {same}/{len(reference)} | "
+            f"{result['eager']} | {cost['seconds'] / 60:.0f} min | {same} | "
             f"{result['seconds']:.0f} s |"
         )
         trend.setdefault(distribution, {})[name] = result["per_bucket"]
     lengths = sorted(len(p) for b in measured for p in b)
+    mode = "sampled (top-k 50, temperature 0.8, a seed per call) on the device" if args.sample else "greedy"
     return [
         f"#### {distribution}",
         "",
         f"{len(measured)} generate() calls of {len(lengths)} prompts (lengths: min {lengths[0]}, median "
-        f"{lengths[len(lengths) // 2]}, max {lengths[-1]}), max_new_tokens={args.new_tokens}, greedy. `fit` "
+        f"{lengths[len(lengths) // 2]}, max {lengths[-1]}), max_new_tokens={args.new_tokens}, {mode}. `fit` "
         f"buckets after the earlier run ({len(history)} calls, seed {args.seed}): prompt "
         f"{list(fitted.prompt_buckets)}, batch {list(fitted.batch_buckets)}; pow2: prompt "
         f"{shapes.pow2_prompt_buckets(CONTEXT).short()}, batch {shapes.pow2_batch_buckets().short()}.",
         "",
         "| setting | prefill positions per real one | decode rows per real one | graphs compiled | eager signatures "
-        "| est. compile (cost model) | calls with stock's tokens | CPU wall |",
+        f"| est. compile (cost model) | calls with {'one prefill' if args.sample else 'stock'}'s tokens | CPU wall |",
         "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
@@ -214,6 +234,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=24, help="generate() calls per run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the earlier run's prompts (measured: seed + 1)")
     parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument(
+        "--sample", action="store_true", help="sample on the device (top-k, temperature) instead of greedy decoding"
+    )
     parser.add_argument("--only", help="distributions, separated by commas: " + ", ".join(DISTRIBUTIONS))
     parser.add_argument("--svg", default="docs/padding-per-bucket.svg", help="where the per-bucket trend goes")
     parser.add_argument("--output", help="append the markdown section to this file")

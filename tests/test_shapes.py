@@ -189,7 +189,7 @@ def test_the_fit_is_the_exact_optimum_under_its_budget() -> None:
             for c in itertools.combinations(sizes[:-1], r)
         )
         assert fit.cost(histogram, chosen) == best
-    assert fit.pow2_budget({5: 1, 30: 2, 33: 1}, 32) == 2  # powers of two from 32 reach 32 and 64
+    assert fit.pow2_budget({5: 1, 30: 2, 33: 1}) == 3  # powers of two reach 8, 32 and 64
     # As many fitted buckets as powers of two reached (128 and 512), then the powers of two beyond; a whole grid
     # (every bucket compiled) counts 512, the power of two above the largest size seen, against that budget.
     assert fit.fitted({100: 5, 300: 1}, (128, 256, 512)) == (100, 300, 512)

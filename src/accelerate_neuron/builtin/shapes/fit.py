@@ -33,9 +33,9 @@ def cost(histogram: Mapping[int, int], buckets: tuple[int, ...]) -> int:
     return sum(count * (chosen.at_least(size) or size) for size, count in histogram.items())
 
 
-def pow2_budget(histogram: Mapping[int, int], minimum: int = 1) -> int:
-    """The graphs powers of two (from ``minimum``) would spend on ``histogram``: the distinct buckets it reaches."""
-    return len({round_up_pow2(size, minimum) for size in histogram}) or 1
+def pow2_budget(histogram: Mapping[int, int]) -> int:
+    """The graphs powers of two would spend on ``histogram``: the distinct buckets it reaches."""
+    return len({round_up_pow2(size, 1) for size in histogram}) or 1
 
 
 def with_tail(fitted: tuple[int, ...], tail: tuple[int, ...]) -> tuple[int, ...]:
