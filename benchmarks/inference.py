@@ -17,11 +17,12 @@ Images and audio windows have a fixed size per row: only their batch is bucketed
 rows (rows computed per real row), where the text jobs count positions.
 
 Each job runs ``--passes`` passes of ``--texts`` texts on a fresh model, Dynamo reset and a cold (memory-only) NEFF
-cache, in four scenarios: ``patched`` (accelerate-neuron as installed: powers of two, a batch's rows grouped by the
+cache, in five scenarios: ``patched`` (accelerate-neuron as installed: powers of two, a batch's rows grouped by the
 bucket of their own length), ``patched, one call per batch`` (``ACCELERATE_NEURON_GROUP_ROWS=0``: every row at the
 longest row's bucket, the behaviour before grouping), ``patched, fit`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=fit``,
-fitted to the sizes an earlier run of the same job on other texts recorded in a scratch NEFF cache folder) and
-stock (every patch reverted in this process). Per pass:
+fitted to the sizes an earlier run of the same job on other texts recorded in a scratch NEFF cache folder),
+``patched, half steps`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=16,24,32,48,64,96,128,192,256``: two buckets an
+octave, set by hand) and stock (every patch reverted in this process). Per pass:
 graphs compiled and eager op signatures compiled (what Neuron compiles), the cost model's compile time on Trainium
 (:mod:`accelerate_neuron.costs`), padding overhead (positions the forwards computed per real token: stock pads each
 batch to its longest text, patched to a bucket), and the largest difference from the CPU's results.
@@ -144,9 +145,10 @@ class Positions:
 
 #: A job: how to build its model on a device, what one pass does with it (the results to compare), and, for the
 #: image and speech jobs, the inputs of pass ``i`` (the text jobs take the shared texts).
-Job = tuple[Callable[[str], Any], Callable[[Any, list[Any]], Any]] | tuple[
-    Callable[[str], Any], Callable[[Any, list[Any]], Any], Callable[[int], list[Any]]
-]
+Job = (
+    tuple[Callable[[str], Any], Callable[[Any, list[Any]], Any]]
+    | tuple[Callable[[str], Any], Callable[[Any, list[Any]], Any], Callable[[int], list[Any]]]
+)
 
 
 #: The patched scenarios: their settings, and whether they run on buckets fitted to an earlier run of the job.
@@ -154,6 +156,8 @@ SCENARIOS = {
     "patched": ({}, False),
     "patched, one call per batch": ({"ACCELERATE_NEURON_GROUP_ROWS": "0"}, False),
     "patched, fit": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "fit", "ACCELERATE_NEURON_BATCH_BUCKETS": "fit"}, True),
+    # Two buckets an octave (the powers of two and the halfway points), by hand: less padding for more graphs.
+    "patched, half steps": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "16,24,32,48,64,96,128,192,256"}, False),
 }
 
 
