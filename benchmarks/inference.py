@@ -21,8 +21,8 @@ cache, in five scenarios: ``patched`` (accelerate-neuron as installed: powers of
 bucket of their own length), ``patched, one call per batch`` (``ACCELERATE_NEURON_GROUP_ROWS=0``: every row at the
 longest row's bucket, the behaviour before grouping), ``patched, fit`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=fit``,
 fitted to the sizes an earlier run of the same job on other texts recorded in a scratch NEFF cache folder),
-``patched, half steps`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=16,24,32,48,64,96,128,192,256``: two buckets an
-octave, set by hand) and stock (every patch reverted in this process). Per pass:
+``patched, half steps`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=pow2-half``: 16, 24, 32, 48, ... 256, two buckets
+an octave) and stock (every patch reverted in this process). Per pass:
 graphs compiled and eager op signatures compiled (what Neuron compiles), the cost model's compile time on Trainium
 (:mod:`accelerate_neuron.costs`), padding overhead (positions the forwards computed per real token: stock pads each
 batch to its longest text, patched to a bucket), and the largest difference from the CPU's results.
@@ -156,8 +156,8 @@ SCENARIOS = {
     "patched": ({}, False),
     "patched, one call per batch": ({"ACCELERATE_NEURON_GROUP_ROWS": "0"}, False),
     "patched, fit": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "fit", "ACCELERATE_NEURON_BATCH_BUCKETS": "fit"}, True),
-    # Two buckets an octave (the powers of two and the halfway points), by hand: less padding for more graphs.
-    "patched, half steps": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "16,24,32,48,64,96,128,192,256"}, False),
+    # Two buckets an octave (the powers of two and the halfway points): less padding for more graphs.
+    "patched, half steps": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "pow2-half"}, False),
 }
 
 

@@ -55,6 +55,25 @@ def test_inference_calls_count_the_bucket_against_the_callers_tokens(sim) -> Non
     }
 
 
+def test_pow2_half_pads_to_the_halfway_bucket_with_the_cpus_results(sim, monkeypatch) -> None:
+    """Two buckets an octave: a 20-token row runs at 24 columns, not 32, and the caller gets the CPU's outputs."""
+    monkeypatch.setenv("ACCELERATE_NEURON_PROMPT_BUCKETS", "pow2-half")
+    tok = tiny.encoder_tokenizer()
+    text = " ".join(["one two three four five six seven eight nine"] * 4)
+    enc = tok([text, "one two"], return_tensors="pt", padding=True, truncation=True, max_length=20)
+    assert enc["input_ids"].shape[1] == 20
+    reference = tiny.encoder("bert").eval()
+    model = tiny.encoder("bert").eval().to("neuron")
+    with torch.no_grad():
+        got = model(**{k: v.to("neuron") for k, v in enc.items()}).last_hidden_state.cpu()
+        want = reference(**enc).last_hidden_state
+    assert accelerate_neuron.padding_stats()["forward"] == {
+        "computed": 2 * 24,
+        "real": int(enc["attention_mask"].sum()),
+    }
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+
 @pytest.mark.one_pair
 def test_training_batches_count_the_padded_length_against_the_mask() -> None:
     policy = ShapePolicy(buckets=(16,))

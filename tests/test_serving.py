@@ -464,7 +464,6 @@ def _serve_is_lazy() -> bool:
 LAZY_SERVE = _serve_is_lazy()
 
 
-
 def _post(port: int, body: dict, timeout: float = 120) -> tuple[int, str]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",

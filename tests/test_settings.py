@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import itertools
 import logging
 import os
 import sys
@@ -22,7 +23,9 @@ from accelerate_neuron.hookspecs import hookimpl
 from helpers import REPO, run_python
 
 PACKAGE = REPO / "src" / "accelerate_neuron"
-BUCKET_SETTINGS = [s.name for s in settings.SETTINGS if s.parse is settings.parse_buckets]
+BUCKET_SETTINGS = [
+    s.name for s in settings.SETTINGS if s.parse in (settings.parse_buckets, settings.parse_unrecorded_buckets)
+]
 
 
 @pytest.fixture
@@ -92,9 +95,10 @@ def test_every_bucket_setting_rejects_the_same_values_the_same_way(
         _bucket_entry_points()[name]()
     message = str(info.value)
     assert message.startswith(
-        f"invalid {variable}={bad!r}: expected 'pow2', 'fit' (fitted to the sizes this job's calls recorded), 'off', "
-        "or strictly ascending"
+        f"invalid {variable}={bad!r}: expected 'pow2', 'pow2-half' (the powers of two and the points halfway between "
+        "them), "
     ), message
+    assert "'off', or strictly ascending positive integers" in message, message
 
 
 @pytest.mark.parametrize("name", BUCKET_SETTINGS)
@@ -114,6 +118,40 @@ def test_every_bucket_setting_reads_lists_and_pow2_alike(name: str, monkeypatch:
     explicit = _bucket_entry_points()[name]()
     monkeypatch.delenv(settings.env_name(name))
     assert explicit == _bucket_entry_points()[name]()  # "pow2" is the default, spelled out
+
+
+@pytest.mark.parametrize("name", BUCKET_SETTINGS)
+def test_every_bucket_setting_reads_pow2_half_as_the_powers_of_two_and_their_halfway_points(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    powers = _bucket_entry_points()[name]()
+    monkeypatch.setenv(settings.env_name(name), "Pow2-Half")
+    halved = _bucket_entry_points()[name]()
+    if name == "cache_buckets":  # an unbounded list: the entry point rounds 100 positions up
+        assert (powers, halved) == (128, 128)  # 96 does not hold 100
+        assert [gcache.bucket_length(n, 4096, "pow2-half") for n in (50, 64, 65, 97, 129, 3000)] == [
+            64,
+            64,
+            96,
+            128,
+            192,
+            3072,
+        ]
+        return
+    assert halved == gshapes.Buckets(powers).halved() and len(halved) > len(powers)
+    assert set(powers) <= set(halved) and halved[-1] == powers[-1]
+    for low, high in itertools.pairwise(halved):  # two buckets an octave: steps of at most 1.5x
+        assert 2 * high <= 3 * low or (low, high) == (1, 2), halved
+
+
+def test_fit_is_refused_where_no_sizes_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELERATE_NEURON_CANDIDATE_BUCKETS", "fit")
+    with pytest.raises(
+        ValueError,
+        match=r"invalid ACCELERATE_NEURON_CANDIDATE_BUCKETS='fit': expected 'pow2', .*"
+        r"this setting's sizes are not recorded",
+    ):
+        widths.candidate_buckets()
 
 
 def test_switches_and_counts_name_the_value() -> None:

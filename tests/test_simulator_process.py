@@ -108,7 +108,6 @@ def test_refuses_to_shadow_a_real_or_other_backend(tmp_path: Path) -> None:
     assert "a real torch-neuronx is installed" in run_python(code, PYTHONPATH=str(tmp_path)).stdout
 
 
-
 COLLECTIVES = """
 import json, os, torch, torch.distributed as dist
 dist.init_process_group("neuron")

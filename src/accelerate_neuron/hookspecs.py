@@ -100,11 +100,11 @@ def neuron_generation_shape_policy(max_position_embeddings: int | None) -> dict[
     decoder-only prompt, or an encoder input, is padded up to) and
     ``"batch_buckets"`` (ascending batch sizes the batch is padded up to with
     dummy rows); an empty list turns that bucketing off, a missing key keeps the
-    built-in default: powers of two from 32 up to ``max_position_embeddings``
+    built-in default: powers of two from 16 up to ``max_position_embeddings``
     (8192 if unknown), batches 1, 2, 4, ... 256. Results are always the
     unpadded call's. The ``prompt_buckets`` / ``batch_buckets`` settings
     (``ACCELERATE_NEURON_PROMPT_BUCKETS`` / ``..._BATCH_BUCKETS``) the user set
-    win over any plugin; ``"pow2"`` and ``"off"`` are accepted as for them.
+    win over any plugin; ``"pow2"``, ``"pow2-half"`` and ``"off"`` are accepted as for them.
     """
 
 
@@ -133,8 +133,8 @@ def neuron_serving_shape_policy(max_position_embeddings: int | None, kv_bytes_pe
     ``"token_buckets"`` (ascending query-token counts a step is padded to;
     the largest is the step's token budget), ``"kv_buckets"`` (ascending
     KV-token counts a step reads; the cache's capacity is always the last),
-    ``"kv_cache_tokens"`` (the paged cache's capacity in tokens). ``"pow2"``
-    and ``"off"`` are accepted as for the settings; a missing key keeps the
+    ``"kv_cache_tokens"`` (the paged cache's capacity in tokens). ``"pow2"``,
+    ``"pow2-half"`` and ``"off"`` are accepted as for the settings; a missing key keeps the
     built-in default (powers of two: tokens 16 ... 512, KV 512 ... capacity;
     16384 tokens of cache). The ``serving_*`` settings the user set
     (``ACCELERATE_NEURON_SERVING_TOKEN_BUCKETS``, ...) win over any plugin.

@@ -12,6 +12,7 @@ A setting's value comes from, in order:
 4. the built-in default.
 
 The same words mean the same thing everywhere: a bucket list is ``pow2``,
+``pow2-half`` (the powers of two and the points halfway between them),
 ``fit`` (fitted to the sizes the job recorded), ``off`` (also
 ``0``/``no``/``none``/``false``) or strictly ascending positive integers; a
 switch is ``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``. A bad
@@ -37,13 +38,16 @@ PREFIX = "ACCELERATE_NEURON_"
 ON_WORDS = frozenset({"1", "on", "true", "yes"})
 OFF_WORDS = frozenset({"0", "off", "false", "no", "none"})
 POW2 = "pow2"
+#: The capability's powers of two with the point halfway along each doubling: two buckets an octave.
+POW2_HALF = "pow2-half"
 #: A bucket list fitted to the sizes the job's calls recorded (``builtin/shapes/record.py``).
 FIT = "fit"
 #: The largest bucket a setting accepts: a Neuron shape's sizes are 32-bit (the compiler downcasts int64 to int32),
 #: and a value past it fails deep inside torch instead of here.
 MAX_BUCKET = 2**31 - 1
 
-#: A bucket list: ``"pow2"`` (the capability's powers of two), ``"fit"`` (fitted to the recorded sizes) or
+#: A bucket list: ``"pow2"`` (the capability's powers of two), ``"pow2-half"`` (and the halfway points),
+#: ``"fit"`` (fitted to the recorded sizes) or
 #: ascending ints; ``()`` is off.
 BucketSpec = str | tuple[int, ...]
 
@@ -85,12 +89,12 @@ def parse_switch(value: Any) -> bool:
 
 
 def parse_buckets(value: Any) -> BucketSpec:
-    """``"pow2"``, ``"fit"``, ``()`` for off, or a strictly ascending tuple of positive ints."""
+    """``"pow2"``, ``"pow2-half"``, ``"fit"``, ``()`` for off, or a strictly ascending tuple of positive ints."""
     if value is False or value is None:
         return ()
     if isinstance(value, str):
         text = _words(value)
-        if text in (POW2, FIT):
+        if text in (POW2, POW2_HALF, FIT):
             return text
         if text in OFF_WORDS:
             return ()
@@ -110,6 +114,14 @@ def parse_buckets(value: Any) -> BucketSpec:
     if list(values) != sorted(set(values)):
         raise ValueError("these are out of order, or a bucket repeats")
     return tuple(values)
+
+
+def parse_unrecorded_buckets(value: Any) -> BucketSpec:
+    """As :func:`parse_buckets`, without ``fit``: a setting whose sizes no call records has nothing to fit to."""
+    parsed = parse_buckets(value)
+    if parsed == FIT:
+        raise ValueError("this setting's sizes are not recorded, so there is nothing to fit buckets to")
+    return parsed
 
 
 def parse_count(value: Any) -> int:
@@ -350,8 +362,13 @@ class Setting:
 
 
 _BUCKETS = (
-    "`pow2`, `fit` (fitted to the sizes this job's calls recorded), `off`, or strictly ascending positive integers "
+    "`pow2`, `pow2-half` (the powers of two and the points halfway between them), `fit` (fitted to the sizes this "
+    "job's calls recorded), `off`, or strictly ascending positive integers "
     "(at most 2147483647) separated by commas"
+)
+_UNRECORDED_BUCKETS = (
+    "`pow2`, `pow2-half` (the powers of two and the points halfway between them), `off`, or strictly ascending "
+    "positive integers (at most 2147483647) separated by commas"
 )
 _SWITCH = "1, on, true or yes; 0, off, false or no"
 
@@ -498,9 +515,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "candidate_buckets",
-        parse_buckets,
+        parse_unrecorded_buckets,
         POW2,
-        _BUCKETS,
+        _UNRECORDED_BUCKETS,
         "Candidate counts one speculative verification forward is padded to (`pow2`: 1, 2, 4, ... 64), plus the "
         "call's own `num_assistant_tokens` / `prompt_lookup_num_tokens` when it does not change during the call; "
         "more candidates than the largest bucket run at a prompt bucket. `off`: every count its own graph.",
@@ -895,7 +912,7 @@ def config_value(name: str, value: Any) -> Any:
     item = setting(name)
     if isinstance(value, Plugins):
         return "all" if value.all else sorted(value.names)
-    if item.parse is parse_buckets:
+    if item.parse in (parse_buckets, parse_unrecorded_buckets):
         return "off" if value == () else value if isinstance(value, str) else list(value)
     if item.parse is parse_level:
         return str(value).lower()

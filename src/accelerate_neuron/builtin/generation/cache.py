@@ -28,7 +28,7 @@ import torch
 from ... import logs, settings
 from ...plugins import call_hook
 from ..compile_options import compile_config
-from ..shapes import Buckets, max_positions, note, pow2, record_key, round_up_pow2
+from ..shapes import Buckets, max_positions, note, pow2, record_key, round_up_pow2, round_up_pow2_half
 from ..shapes.record import fitted_buckets
 from .devices import split_across_devices
 
@@ -63,6 +63,8 @@ def bucket_length(requested: int, max_position_embeddings: int | None, spec: set
         return requested
     if spec == settings.POW2:
         length = round_up_pow2(requested, MIN_POW2_BUCKET)
+    elif spec == settings.POW2_HALF:
+        length = round_up_pow2_half(requested, MIN_POW2_BUCKET)
     else:
         length = Buckets(spec, "cache_buckets").pad_to(requested, "generate()", "KV-cache length")
     # Never beyond what the model can address, unless the request itself is.

@@ -31,7 +31,7 @@ POW2_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 def candidate_buckets(fixed: int | None = None) -> shapes.Buckets:
     """The ``candidate_buckets`` setting's counts, with ``fixed`` (a call's unchanging candidate limit) added."""
     spec = settings.get("candidate_buckets")
-    values = POW2_CANDIDATES if spec == settings.POW2 else tuple(spec)
+    values = tuple(shapes.from_spec(spec, "candidate_buckets", lambda: shapes.Buckets(POW2_CANDIDATES)))
     if values and fixed is not None and 0 < fixed <= shapes.MAX_BUCKET:
         values = tuple(sorted({*values, fixed}))
     return shapes.Buckets(values, "candidate_buckets")

@@ -24,7 +24,7 @@ and it imports none of them (``tests/test_layout.py``).
 
 from __future__ import annotations
 
-from .buckets import MAX_BUCKET, Buckets, pow2, round_up_pow2
+from .buckets import MAX_BUCKET, Buckets, pow2, round_up_pow2, round_up_pow2_half
 from .cut import Cut, Unplaced, kv_layers, last_logits_of_rows, sequence_dims, unpadded_static_cache
 from .pads import PAD_VALUES, add_rows, known_key, pad_columns, pad_id, pad_values
 from .policy import (
@@ -32,6 +32,7 @@ from .policy import (
     PROMPT_BUCKETS_ENV,
     ShapePolicy,
     buckets,
+    from_spec,
     hook_answer,
     max_positions,
     pow2_batch_buckets,
@@ -52,6 +53,7 @@ __all__ = [
     "Unplaced",
     "add_rows",
     "buckets",
+    "from_spec",
     "hook_answer",
     "known_key",
     "kv_layers",
@@ -68,6 +70,7 @@ __all__ = [
     "record_key",
     "resolve_policy",
     "round_up_pow2",
+    "round_up_pow2_half",
     "sequence_dims",
     "unpadded_static_cache",
 ]

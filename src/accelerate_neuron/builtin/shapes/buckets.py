@@ -11,6 +11,7 @@ warning naming both values.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from ... import logs, settings
@@ -109,6 +110,20 @@ class Buckets(tuple[int, ...]):
         always a bucket, whatever the list)."""
         return Buckets((*(b for b in self if b < limit), limit), self.setting)
 
+    def halved(self) -> Buckets:
+        """These buckets and the point halfway along each step that at least doubles (``a + a // 2``): on powers
+        of two, two buckets an octave, ``(16, 32, 64) -> (16, 24, 32, 48, 64)``; ``(1, 2, 4) -> (1, 2, 3, 4)``.
+
+        A lognormal's lengths land anywhere in their bucket: one bucket an octave pads them about 1.5x, two about
+        1.25x, at about twice the graphs (``settings.POW2_HALF``)."""
+        values = []
+        for low, high in itertools.pairwise(self):
+            values.append(low)
+            middle = low + low // 2
+            if high >= 2 * low and low < middle < high:
+                values.append(middle)
+        return Buckets((*values, *self[-1:]), self.setting)
+
     def short(self) -> str:
         """For a log line: ``1, 2, 4, ... 256`` (``off`` when empty)."""
         if not self:
@@ -131,3 +146,12 @@ def pow2(low: int, high: int, setting: str = "") -> Buckets:
 def round_up_pow2(size: int, minimum: int) -> int:
     """The smallest power of two holding ``size``, at least ``minimum`` (an unbounded power-of-two bucket list)."""
     return max(minimum, 1 << (size - 1).bit_length())
+
+
+def round_up_pow2_half(size: int, minimum: int) -> int:
+    """The smallest bucket of ``pow2(minimum, ...).halved()``, unbounded, holding ``size`` (``minimum`` a power of
+    two): the power of two :func:`round_up_pow2` gives, or three quarters of it when that holds ``size`` and lies
+    above ``minimum``."""
+    power = round_up_pow2(size, minimum)
+    middle = power // 4 * 3
+    return middle if power >= 4 and middle >= size and middle > minimum else power

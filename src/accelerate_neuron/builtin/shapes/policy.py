@@ -78,13 +78,21 @@ def buckets(
     ``pow2`` is ``default()`` and ``fit`` the buckets fitted to model ``record``'s recorded sizes (:mod:`.record`);
     capped at ``limit`` (the positions the model addresses) when given."""
     spec = settings.resolve(setting, hook=lambda: answer.get(key)).value
+    return from_spec(spec, setting, default, record).capped(limit)
+
+
+def from_spec(
+    spec: settings.BucketSpec, setting: str, default: Callable[[], Buckets], record: str | None = None
+) -> Buckets:
+    """The buckets a resolved value of ``setting`` names: ``pow2`` is ``default()``, ``pow2-half`` those and their
+    halfway points, ``fit`` the buckets fitted to model ``record``'s recorded sizes, a list itself."""
     if spec == settings.POW2:
-        chosen = default()
-    elif spec == settings.FIT:
-        chosen = fitted_buckets(record, setting, default)
-    else:
-        chosen = Buckets(spec, setting)
-    return chosen.capped(limit)
+        return default()
+    if spec == settings.POW2_HALF:
+        return default().halved()
+    if spec == settings.FIT:
+        return fitted_buckets(record, setting, default)
+    return Buckets(spec, setting)
 
 
 @dataclass(frozen=True)

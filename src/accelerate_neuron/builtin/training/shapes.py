@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import logs, settings
-from ..shapes import Buckets, hook_answer, known_key, max_positions, pad_columns, pow2
-from ..shapes.record import fitted_buckets
+from ..shapes import Buckets, from_spec, hook_answer, known_key, max_positions, pad_columns, pow2
 
 logger = logging.getLogger(__name__)
 
@@ -142,13 +141,7 @@ def resolve_policy(max_length: int | None, record: str | None = None) -> ShapePo
         merged.update(_validate(answer, "neuron_training_shape_policy"))
     chosen = settings.explicit("train_buckets")
     if chosen is not None:
-        spec = chosen.value
-        if spec == settings.POW2:
-            merged["buckets"] = pow2_buckets(max_length)
-        elif spec == settings.FIT:
-            merged["buckets"] = fitted_buckets(record, "train_buckets", lambda: pow2_buckets(max_length))
-        else:
-            merged["buckets"] = spec
+        merged["buckets"] = from_spec(chosen.value, "train_buckets", lambda: pow2_buckets(max_length), record)
         source = chosen.describe()
         if not merged["buckets"]:
             merged["pad_to_multiple_of"] = None
