@@ -115,7 +115,7 @@ class Buckets(tuple[int, ...]):
         of two, two buckets an octave, ``(16, 32, 64) -> (16, 24, 32, 48, 64)``; ``(1, 2, 4) -> (1, 2, 3, 4)``.
 
         A lognormal's lengths land anywhere in their bucket: one bucket an octave pads them about 1.5x, two about
-        1.25x, at about twice the graphs (``settings.POW2_HALF``)."""
+        1.3x (benchmarks/RESULTS.md, "Padding"), at about 1.4 to 2 times the graphs (``settings.POW2_HALF``)."""
         values = []
         for low, high in itertools.pairwise(self):
             values.append(low)
