@@ -362,7 +362,9 @@ from pathlib import Path
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
-(out / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+rank = os.environ.get('RANK', '0')
+(out / f".rank{rank}.tmp").write_text(str(os.getpid()))
+(out / f".rank{rank}.tmp").replace(out / f"rank{rank}.pid")  # whole: the test reads it as soon as it exists
 time.sleep(600)
 """
 
