@@ -17,6 +17,8 @@ Settings, each on the same prompts (``--batches`` batches from ``--seed + 1``):
 - ``pow2, one prefill``: the buckets' defaults with ``ACCELERATE_NEURON_GROUP_ROWS=0`` (every row of a batch at
   its longest row's bucket: the behaviour before grouped prefill);
 - ``pow2``: the defaults (powers of two, grouped prefill);
+- ``pow2-half``: ``ACCELERATE_NEURON_PROMPT_BUCKETS=pow2-half`` and ``ACCELERATE_NEURON_BATCH_BUCKETS=pow2-half``
+  (two buckets an octave: prompts 16, 24, 32, 48, ...; batches 1, 2, 3, 4, 6, 8, ...);
 - ``fit``: ``ACCELERATE_NEURON_PROMPT_BUCKETS=fit`` (batch buckets ``pow2``), fitted to the sizes an earlier
   run of the same job recorded (``--batches`` batches from ``--seed``, run once on ``pow2`` in the same process,
   its record written to a scratch NEFF cache folder, as a previous run of the job would have).
@@ -24,8 +26,8 @@ Settings, each on the same prompts (``--batches`` batches from ``--seed + 1``):
 Every setting's tokens are compared with stock's; with ``--sample`` (each call samples, top-k 50 and temperature
 0.8, from its own seed, on the device's sampler) with ``pow2, one prefill``'s: the device draws from its own
 generator, not the host's, so grouping the prefill must not change a draw, and stock's draws are not comparable.
-The per-bucket trend (positions per real one of the prefill, by the pow2 bucket of each prompt, for pow2 and fit)
-is drawn into ``docs/padding-per-bucket.svg`` (matplotlib).
+The per-bucket trend (positions per real one of the prefill, by the pow2 bucket of each prompt, for pow2,
+pow2-half and fit) is drawn into ``docs/padding-per-bucket.svg`` (matplotlib).
 
     python benchmarks/padding.py [--batches 24] [--seed 0] [--new-tokens 4] [--sample] [--only lognormal-48,...]
                                  [--svg docs/padding-per-bucket.svg] [--output FILE]
@@ -59,6 +61,7 @@ CONTEXT = 2048
 VOCAB = 512
 DISTRIBUTIONS = ("lognormal-48", "lognormal-64", "bimodal")
 PROMPT_ENV = "ACCELERATE_NEURON_PROMPT_BUCKETS"
+BATCH_ENV = "ACCELERATE_NEURON_BATCH_BUCKETS"
 GROUP_ENV = "ACCELERATE_NEURON_GROUP_ROWS"
 
 
@@ -156,6 +159,8 @@ def section(distribution: str, args, trend: dict) -> list[str]:
     with environment({GROUP_ENV: "0"}):
         runs["pow2, one prefill"] = run(model, measured, args.new_tokens, sample=args.sample)
     runs["pow2"] = run(model, measured, args.new_tokens, sample=args.sample)
+    with environment({PROMPT_ENV: "pow2-half", BATCH_ENV: "pow2-half"}):
+        runs["pow2-half"] = run(model, measured, args.new_tokens, sample=args.sample)
     with tempfile.TemporaryDirectory(prefix="padding-records-") as folder:
         with environment({"TORCH_NEURONX_NEFF_CACHE_DIR": folder}):
             record.reset()
@@ -215,7 +220,7 @@ def draw(trend: dict, path: str) -> None:
 
     figure, axes = plt.subplots(1, len(trend), figsize=(4.2 * len(trend), 3.4), squeeze=False)
     for axis, (distribution, settings) in zip(axes[0], trend.items(), strict=True):
-        for name, style in (("pow2, one prefill", ":"), ("pow2", "--"), ("fit", "-")):
+        for name, style in (("pow2, one prefill", ":"), ("pow2", "--"), ("pow2-half", "-."), ("fit", "-")):
             bins = settings.get(name) or {}
             xs = sorted(bins)
             axis.plot(xs, [bins[x][0] / bins[x][1] for x in xs], style, marker="o", label=name)
