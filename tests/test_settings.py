@@ -23,9 +23,7 @@ from accelerate_neuron.hookspecs import hookimpl
 from helpers import REPO, run_python
 
 PACKAGE = REPO / "src" / "accelerate_neuron"
-BUCKET_SETTINGS = [
-    s.name for s in settings.SETTINGS if s.parse in (settings.parse_buckets, settings.parse_unrecorded_buckets)
-]
+BUCKET_SETTINGS = [s.name for s in settings.SETTINGS if s.parse in settings.BUCKET_PARSERS]
 
 
 @pytest.fixture

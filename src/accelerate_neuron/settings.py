@@ -124,6 +124,10 @@ def parse_unrecorded_buckets(value: Any) -> BucketSpec:
     return parsed
 
 
+#: The parsers of bucket lists (a setting whose parser is one of them is a bucket setting).
+BUCKET_PARSERS = (parse_buckets, parse_unrecorded_buckets)
+
+
 def parse_count(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError("")
@@ -361,15 +365,10 @@ class Setting:
         return "unset" if self.default in (None, "") else f"`{self.default}`"
 
 
-_BUCKETS = (
-    "`pow2`, `pow2-half` (the powers of two and the points halfway between them), `fit` (fitted to the sizes this "
-    "job's calls recorded), `off`, or strictly ascending positive integers "
-    "(at most 2147483647) separated by commas"
-)
-_UNRECORDED_BUCKETS = (
-    "`pow2`, `pow2-half` (the powers of two and the points halfway between them), `off`, or strictly ascending "
-    "positive integers (at most 2147483647) separated by commas"
-)
+_POWERS = "`pow2`, `pow2-half` (the powers of two and the points halfway between them)"
+_LISTS = "`off`, or strictly ascending positive integers (at most 2147483647) separated by commas"
+_BUCKETS = f"{_POWERS}, `fit` (fitted to the sizes this job's calls recorded), {_LISTS}"
+_UNRECORDED_BUCKETS = f"{_POWERS}, {_LISTS}"
 _SWITCH = "1, on, true or yes; 0, off, false or no"
 
 SETTINGS: tuple[Setting, ...] = (
@@ -912,7 +911,7 @@ def config_value(name: str, value: Any) -> Any:
     item = setting(name)
     if isinstance(value, Plugins):
         return "all" if value.all else sorted(value.names)
-    if item.parse in (parse_buckets, parse_unrecorded_buckets):
+    if item.parse in BUCKET_PARSERS:
         return "off" if value == () else value if isinstance(value, str) else list(value)
     if item.parse is parse_level:
         return str(value).lower()
