@@ -17,12 +17,13 @@ Images and audio windows have a fixed size per row: only their batch is bucketed
 rows (rows computed per real row), where the text jobs count positions.
 
 Each job runs ``--passes`` passes of ``--texts`` texts on a fresh model, Dynamo reset and a cold (memory-only) NEFF
-cache, in five scenarios: ``patched`` (accelerate-neuron as installed: powers of two, a batch's rows grouped by the
-bucket of their own length), ``patched, one call per batch`` (``ACCELERATE_NEURON_GROUP_ROWS=0``: every row at the
-longest row's bucket, the behaviour before grouping), ``patched, fit`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=fit``,
-fitted to the sizes an earlier run of the same job on other texts recorded in a scratch NEFF cache folder),
-``patched, half steps`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=pow2-half``: 16, 24, 32, 48, ... 256, two buckets
-an octave) and stock (every patch reverted in this process). Per pass:
+cache, in five scenarios: ``patched`` (accelerate-neuron as installed: an inference call's ``pow2-half`` length
+buckets 16, 24, 32, 48, ... 256, two an octave, and a batch's rows grouped by the bucket of their own length),
+``patched, pow2`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=pow2``: one bucket an octave, the fewest graphs; the default
+before), ``patched, one call per batch`` (``pow2`` and ``ACCELERATE_NEURON_GROUP_ROWS=0``: every row at the longest
+row's bucket, the behaviour before grouping), ``patched, fit`` (``ACCELERATE_NEURON_PROMPT_BUCKETS=fit``, fitted
+to the sizes an earlier run of the same job on other texts recorded in a scratch NEFF cache folder, with as many
+buckets as ``pow2``) and stock (every patch reverted in this process). Per pass:
 graphs compiled and eager op signatures compiled (what Neuron compiles), the cost model's compile time on Trainium
 (:mod:`accelerate_neuron.costs`), padding overhead (positions the forwards computed per real token: stock pads each
 batch to its longest text, patched to a bucket), and the largest difference from the CPU's results.
@@ -154,10 +155,13 @@ Job = (
 #: The patched scenarios: their settings, and whether they run on buckets fitted to an earlier run of the job.
 SCENARIOS = {
     "patched": ({}, False),
-    "patched, one call per batch": ({"ACCELERATE_NEURON_GROUP_ROWS": "0"}, False),
+    # One bucket an octave: fewer graphs for more padding.
+    "patched, pow2": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "pow2"}, False),
+    "patched, one call per batch": (
+        {"ACCELERATE_NEURON_PROMPT_BUCKETS": "pow2", "ACCELERATE_NEURON_GROUP_ROWS": "0"},
+        False,
+    ),
     "patched, fit": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "fit", "ACCELERATE_NEURON_BATCH_BUCKETS": "fit"}, True),
-    # Two buckets an octave (the powers of two and the halfway points): less padding for more graphs.
-    "patched, half steps": ({"ACCELERATE_NEURON_PROMPT_BUCKETS": "pow2-half"}, False),
 }
 
 

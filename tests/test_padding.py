@@ -49,15 +49,16 @@ def test_inference_calls_count_the_bucket_against_the_callers_tokens(sim) -> Non
     enc = tok(["one two three", "four five six seven eight nine"], return_tensors="pt", padding=True)
     with torch.no_grad():
         model(**{k: v.to("neuron") for k, v in enc.items()})
+    assert enc["input_ids"].shape[1] in range(17, 25)
     assert accelerate_neuron.padding_stats()["forward"] == {
-        "computed": 2 * 32,
+        "computed": 2 * 24,  # an inference call's built-in length buckets: pow2-half (16, 24, 32, ...)
         "real": int(enc["attention_mask"].sum()),
     }
 
 
-def test_pow2_half_pads_to_the_halfway_bucket_with_the_cpus_results(sim, monkeypatch) -> None:
-    """Two buckets an octave: a 20-token row runs at 24 columns, not 32, and the caller gets the CPU's outputs."""
-    monkeypatch.setenv("ACCELERATE_NEURON_PROMPT_BUCKETS", "pow2-half")
+def test_inference_calls_pad_to_the_halfway_bucket_unless_the_user_sets_pow2(sim, monkeypatch) -> None:
+    """Two buckets an octave by default for inference calls: a 20-token row runs at 24 columns, not 32, and the
+    caller gets the CPU's outputs; the user's ``pow2`` wins (32 columns)."""
     tok = tiny.encoder_tokenizer()
     text = " ".join(["one two three four five six seven eight nine"] * 4)
     enc = tok([text, "one two"], return_tensors="pt", padding=True, truncation=True, max_length=20)
@@ -71,6 +72,13 @@ def test_pow2_half_pads_to_the_halfway_bucket_with_the_cpus_results(sim, monkeyp
         "computed": 2 * 24,
         "real": int(enc["attention_mask"].sum()),
     }
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+    accelerate_neuron.reset_padding_stats()
+    monkeypatch.setenv("ACCELERATE_NEURON_PROMPT_BUCKETS", "pow2")
+    with torch.no_grad():
+        got = model(**{k: v.to("neuron") for k, v in enc.items()}).last_hidden_state.cpu()
+    assert accelerate_neuron.padding_stats()["forward"]["computed"] == 2 * 32
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
 
 

@@ -270,9 +270,9 @@ def test_inference_calls_precompiled_then_run_compiles_nothing(tmp_path: Path) -
     script = ["python", str(SCRIPTS / "precompile_embed.py"), str(encoder), str(classifier)]
     two = precompile(cache, *script, jobs=2)
     assert two["exit_codes"] == [0, 0] and not two["warnings"], two
-    # encode's batches of 4 (the last of 2) and the pipeline's one text at a time: 6 (rows, bucket) shapes over the
-    # buckets 16, 32 and 64 (texts of 3-30 words)
-    assert two["shapes_by_kind"] == {"forward": 6} and two["warmed"] == 6, two
+    # encode's batches of 4 (the last of 2) and the pipeline's one text at a time: 8 (rows, bucket) shapes over an
+    # inference call's pow2-half buckets 16 to 64 (texts of 3-30 words)
+    assert two["shapes_by_kind"] == {"forward": 8} and two["warmed"] == 8, two
 
     real = real_run(cache, *script)
     assert (real["compiles"], real["eager_compiles"]) == (0, 0), real

@@ -93,16 +93,20 @@ def neuron_static_cache_length(requested: int, max_position_embeddings: int | No
 
 
 @hookspec(firstresult=True)
-def neuron_generation_shape_policy(max_position_embeddings: int | None) -> dict[str, Any] | None:
-    """Prompt-length and batch-size buckets ``generate()`` pads to on Neuron.
+def neuron_generation_shape_policy(max_position_embeddings: int | None, purpose: str) -> dict[str, Any] | None:
+    """Prompt-length and batch-size buckets ``generate()`` and inference calls pad to on Neuron.
 
-    Returns a dict with any of ``"prompt_buckets"`` (ascending prompt lengths a
-    decoder-only prompt, or an encoder input, is padded up to) and
-    ``"batch_buckets"`` (ascending batch sizes the batch is padded up to with
+    ``purpose`` is ``"generate"`` (a ``generate()`` call's prompt and batch) or
+    ``"forward"`` (a bucketed inference call: an encoder's, a pipeline's,
+    sentence-transformers'); an implementation may leave the argument out and
+    answer for both. Returns a dict with any of ``"prompt_buckets"`` (ascending
+    prompt lengths a decoder-only prompt, or an encoder input, is padded up to)
+    and ``"batch_buckets"`` (ascending batch sizes the batch is padded up to with
     dummy rows); an empty list turns that bucketing off, a missing key keeps the
     built-in default: powers of two from 16 up to ``max_position_embeddings``
-    (8192 if unknown), batches 1, 2, 4, ... 256. Results are always the
-    unpadded call's. The ``prompt_buckets`` / ``batch_buckets`` settings
+    (8192 if unknown), batches 1, 2, 4, ... 256 (the built-in ``inference``
+    plugin answers ``"pow2-half"`` prompt buckets for ``"forward"``). Results are
+    always the unpadded call's. The ``prompt_buckets`` / ``batch_buckets`` settings
     (``ACCELERATE_NEURON_PROMPT_BUCKETS`` / ``..._BATCH_BUCKETS``) the user set
     win over any plugin; ``"pow2"``, ``"pow2-half"`` and ``"off"`` are accepted as for them.
     """

@@ -463,16 +463,20 @@ SETTINGS: tuple[Setting, ...] = (
         POW2,
         _BUCKETS,
         "Prompt lengths `generate()` pads to, on the left (`pow2`: 16, 32, 64, ... up to `max_position_embeddings`); "
-        "an encoder-decoder's encoder input is padded on the right.",
+        "an encoder-decoder's encoder input is padded on the right. Inference calls (an encoder's forward, a "
+        "pipeline, sentence-transformers) pad their sequence length on the right, to `pow2-half` when this is not "
+        "set: a forward computes every padded position on every call, so two buckets an octave pay for their "
+        "graphs there (`pow2` for the fewest graphs).",
         "generation",
         hook="neuron_generation_shape_policy",
+        default_text="`pow2` (inference calls: `pow2-half`)",
     ),
     Setting(
         "batch_buckets",
         parse_buckets,
         POW2,
         _BUCKETS,
-        "Batch sizes `generate()` pads to with dummy rows (`pow2`: 1, 2, 4, ... 256).",
+        "Batch sizes `generate()` and inference calls pad to with dummy rows (`pow2`: 1, 2, 4, ... 256).",
         "generation",
         hook="neuron_generation_shape_policy",
     ),

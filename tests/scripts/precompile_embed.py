@@ -18,7 +18,8 @@ from transformers import AutoModelForSequenceClassification, pipeline
 from accelerate_neuron import tiny
 
 WORDS = tiny.CORPUS.split()
-#: Word counts: token lengths in the 32 and 64 buckets, batches of 4 (one short last batch of 2).
+#: Word counts: token lengths from 16 to 64 (an inference call's buckets 16, 24, 32, 48, 64), batches of 4 (one
+#: short last batch of 2).
 SIZES = [3, 9, 14, 22, 30, 5, 17, 26, 8, 12]
 
 

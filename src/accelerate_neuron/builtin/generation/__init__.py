@@ -162,5 +162,7 @@ def neuron_static_cache_length(requested: int, max_position_embeddings: int | No
 
 
 @hookimpl
-def neuron_generation_shape_policy(max_position_embeddings: int | None) -> dict[str, Any] | None:
+def neuron_generation_shape_policy(max_position_embeddings: int | None, purpose: str) -> dict[str, Any] | None:
+    if purpose != "generate":  # inference calls: the inference plugin's answer
+        return None
     return {"prompt_buckets": settings.POW2, "batch_buckets": settings.POW2}

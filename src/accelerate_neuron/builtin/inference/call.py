@@ -22,8 +22,10 @@ compiles, on Neuron. A :class:`ForwardCall` instead
 Padding on the right keeps every real token at its position, and the attention
 mask keeps the real tokens from attending to the pad, so the results equal the
 unpadded call's up to float rounding (a softmax over a longer, masked row).
-The buckets are generate()'s (``prompt_buckets`` and ``batch_buckets``, same
-hook); ``bucket_forwards`` turns this off for the process, and
+The buckets are the ``prompt_buckets`` and ``batch_buckets`` settings (the
+``neuron_generation_shape_policy`` hook, purpose ``"forward"``), whose built-in
+length buckets here are ``pow2-half`` (:mod:`accelerate_neuron.builtin.inference`
+says why); ``bucket_forwards`` turns this off for the process, and
 :func:`accelerate_neuron.disable_bucketing` for one model.
 """
 
@@ -164,7 +166,7 @@ class ForwardCall:
         """The inputs at the bucketed shape, on the model's core (when the rows run in groups: the caller's inputs
         on the host, which :meth:`run` takes each group's share of)."""
         record = shapes.record_key(self.model)
-        policy = shapes.resolve_policy(shapes.max_positions(self.model), record)  # capped at the model's positions
+        policy = shapes.resolve_policy(shapes.max_positions(self.model), record, "forward")  # capped at its positions
         if self.tokens:
             self.padded_length = policy.prompt_buckets.pad_to(self.length, "an inference call", "sequence length")
         self.padded_rows = policy.batch_buckets.pad_to(self.rows, "an inference call", "batch size")

@@ -10,7 +10,9 @@ what the model can address (:meth:`.Buckets.capped`).
 
 The prompt and batch buckets of ``generate()`` and of bucketed inference
 calls are one policy (:class:`ShapePolicy`, the ``neuron_generation_shape_policy``
-hook); the KV-cache, training and serving policies use the same lookup.
+hook, asked with the call's ``purpose``: the built-in answers are ``pow2`` for
+``generate()`` and ``pow2-half`` prompt buckets for inference calls); the
+KV-cache, training and serving policies use the same lookup.
 """
 
 from __future__ import annotations
@@ -124,11 +126,17 @@ def pow2_batch_buckets() -> Buckets:
     return pow2(1, MAX_BATCH_BUCKET, "batch_buckets")
 
 
-def resolve_policy(max_position_embeddings: int | None, record: str | None = None) -> ShapePolicy:
+def resolve_policy(
+    max_position_embeddings: int | None, record: str | None = None, purpose: str = "generate"
+) -> ShapePolicy:
     """The prompt and batch buckets in force for a model of ``max_position_embeddings`` positions (``record``: the
-    model's record key, for ``fit``)."""
+    model's record key, for ``fit``), for ``generate()`` (``purpose="generate"``) or an inference call
+    (``"forward"``)."""
     answer = hook_answer(
-        "neuron_generation_shape_policy", _GENERATION_KEYS, max_position_embeddings=max_position_embeddings
+        "neuron_generation_shape_policy",
+        _GENERATION_KEYS,
+        max_position_embeddings=max_position_embeddings,
+        purpose=purpose,
     )
     return ShapePolicy(
         buckets(
