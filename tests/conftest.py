@@ -44,6 +44,20 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules holding long tests (``slow``, ``one_pair``) first, each module's tests in their own order.
+
+    Under ``-n 2`` a long multi-process test that starts last keeps one worker busy while the other has nothing
+    left: started first, the short tests fill in around it. Modules stay whole (their module fixtures are built
+    once)."""
+
+    def module(item: pytest.Item) -> str:
+        return getattr(getattr(item, "module", None), "__name__", "")
+
+    long_modules = {module(item) for item in items if "slow" in item.keywords or "one_pair" in item.keywords}
+    items.sort(key=lambda item: module(item) not in long_modules)
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     import accelerate
     import transformers

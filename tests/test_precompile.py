@@ -131,25 +131,12 @@ def _assert_the_real_launch_compiles_nothing(cache: str, warm: dict, *launch: st
 
 @pytest.mark.slow
 @pytest.mark.one_pair
-def test_torchrun_precompiled_then_launched_compiles_nothing(tmp_path: Path) -> None:
-    """The counterpart of neuron_parallel_compile: every rank of a DDP Trainer job warms the shapes of its own
-    data shard (the ranks step together: a step all-reduces); one worker by default."""
-    cache = fresh_neff_cache_dir()
-    out = tmp_path / "out"
-    launch = ["torchrun", "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "precompile_train.py"), str(out)]
-    proc = run(["precompile", "--json", "--cores", "2", "--", *launch], cache)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    warm = last_json(proc.stdout)
-    assert warm["jobs"] == 1 and not out.exists(), warm  # a launch is one worker; the warm-up writes nothing
-    _assert_each_graph_compiled_once(warm, processes=2)
-    _assert_the_real_launch_compiles_nothing(cache, warm, *launch)
-
-
-@pytest.mark.slow
-@pytest.mark.one_pair
 def test_two_accelerate_launches_precompile_at_once_on_their_own_cores_and_ports(tmp_path: Path) -> None:
     """--jobs 2 with `accelerate launch` (2 processes each): two launches at once, each on half of the 4 cores and
-    its own port, each warming every other shape; then the real launch compiles nothing."""
+    its own port, each warming every other shape; then the real launch compiles nothing. (The counterpart of
+    neuron_parallel_compile: every rank of a DDP Trainer job warms the shapes of its own data shard. `accelerate
+    launch` starts its ranks through torchrun's agent, torch.distributed.run: a plain torchrun launch is the same
+    run, whose one difference, one worker by default, the launcher test below checks.)"""
     from accelerate.commands.config import default
 
     config = tmp_path / "config.yaml"
@@ -172,6 +159,9 @@ def test_a_launcher_is_one_worker_and_several_launches_get_their_own_cores_and_p
     assert launcher(["/venv/bin/python", "-m", "torch.distributed.run", "t.py"]) == "torchrun"
     assert launcher(["accelerate", "launch", "t.py"]) == launcher(["accelerate-launch", "t.py"]) == "accelerate launch"
     assert launcher(["python", "t.py"]) is None and launcher(["accelerate", "env"]) is None
+    # A launch is one worker unless --jobs says otherwise: its ranks already take one core each.
+    assert cli_precompile.worker_count(None, "torchrun") == 1 and cli_precompile.worker_count(2, "torchrun") == 2
+    assert cli_precompile.worker_count(None, None) == cli_precompile.default_jobs()
 
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
     assert cli_precompile._worker_cores(2, 4) == ["0,1", "2,3"]

@@ -94,6 +94,13 @@ def default_jobs() -> int:
     return max(1, min(cpus, 8))
 
 
+def worker_count(jobs: int | None, kind: str | None) -> int:
+    """The workers a run starts: ``--jobs`` when given; else one for a launch (``kind``: its launcher), which
+    already runs one process per core (a second launch at once needs as many cores again); else
+    :func:`default_jobs`."""
+    return jobs or (1 if kind else default_jobs())
+
+
 _WORKERS = f"a number of worker processes from 1 to {MAX_JOBS}"
 job_count = counting(_WORKERS, MAX_JOBS, f"expected {_WORKERS}")
 
@@ -561,8 +568,7 @@ def run(args: argparse.Namespace) -> int:
 
     command = _command(args)
     kind = launcher(command)
-    # A launch already runs one process per core; a second launch at once needs as many cores again.
-    jobs = args.jobs or (1 if kind else default_jobs())
+    jobs = worker_count(args.jobs, kind)
     simulated = device.kind() != "real"
     if simulated and device.torch_neuronx_installed():
         from ..simulator import _real_torch_neuronx_present
