@@ -433,10 +433,11 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_precompile_warms_generate_batch_then_the_run_compiles_nothing(qwen: str) -> None:
     cache = fresh_neff_cache_dir()
     script = [sys.executable, str(REPO / "tests" / "scripts" / "precompile_serving.py"), qwen]
-    proc = cli(["precompile", "--json", "--jobs", "2", "--cores", "2", "--", *script], cache)
+    # One worker: parallel workers are test_precompile's; here what the serving warm-up reaches.
+    proc = cli(["precompile", "--json", "--jobs", "1", "--cores", "2", "--", *script], cache)
     assert proc.returncode == 0, proc.stderr[-4000:]
     warm = last_json(proc.stdout)
-    assert warm["exit_codes"] == [0, 0] and not warm["warnings"], warm
+    assert warm["exit_codes"] == [0] and not warm["warnings"], warm
     # The shapes these 8 requests can reach: at most 8 x (longest prompt + 10) KV tokens, under the 1024 bucket.
     reachable = len({(q, kv) for q, kv in GRID if kv == 1024})
     assert warm["shapes_by_kind"] == {"continuous_batching": reachable} and warm["warmed"] == reachable, warm

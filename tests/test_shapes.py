@@ -91,6 +91,26 @@ def test_a_bucket_past_what_a_shape_holds_is_refused_where_it_is_set(name, monke
         shapes.resolve_policy(256)
 
 
+def test_each_purpose_has_its_built_in_buckets_and_a_plugin_without_the_argument_answers_both(monkeypatch) -> None:
+    monkeypatch.delenv(PROMPT_ENV, raising=False)
+    generate, forward = shapes.resolve_policy(256), shapes.resolve_policy(256, purpose="forward")
+    assert list(generate.prompt_buckets) == [16, 32, 64, 128, 256]
+    assert list(forward.prompt_buckets) == [16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert list(forward.batch_buckets) == list(generate.batch_buckets)  # batches: powers of two for both
+    monkeypatch.setenv(PROMPT_ENV, "pow2")  # the user's value wins over the built-in answer for either purpose
+    assert list(shapes.resolve_policy(256, purpose="forward").prompt_buckets) == [16, 32, 64, 128, 256]
+    monkeypatch.delenv(PROMPT_ENV)
+
+    class Older:  # written before the hook had a purpose
+        @hookimpl
+        def neuron_generation_shape_policy(self, max_position_embeddings):
+            return {"prompt_buckets": [40, 80]}
+
+    with plugins.registered(Older(), "test-older-shape-policy"):
+        for purpose in ("generate", "forward"):
+            assert list(shapes.resolve_policy(256, purpose=purpose).prompt_buckets) == [40, 80]
+
+
 def test_generate_with_a_prompt_bucket_beyond_the_models_positions_matches_cpu(sim, monkeypatch, caplog) -> None:
     torch._dynamo.reset()
     tok = tiny.tokenizer()

@@ -200,10 +200,11 @@ def _choose(key: str, setting: str, pow2: Buckets) -> Buckets:
         )
         return pow2
     saved = record["fitted"].get(setting)
+    whole_grid = setting in WHOLE_GRID
     if saved is None and pow2:
         # Not fitted yet: only once the sizes recorded predict the ones that follow (a set fitted to half of them
         # computes fewer positions than the powers of two on the other half).
-        share = fitting.held_out(sizes, pow2, setting in WHOLE_GRID)
+        share = fitting.held_out(sizes, pow2, whole_grid)
         if share is None or share >= 1:
             logs.once(
                 logger,
@@ -219,7 +220,7 @@ def _choose(key: str, setting: str, pow2: Buckets) -> Buckets:
             return pow2
     # Beyond the largest size seen, the powers of two: a size never seen pads as it would have (each bucket is a
     # graph only once a call needs it).
-    new = fitting.fitted(sizes, pow2, setting in WHOLE_GRID)
+    new = fitting.fitted(sizes, pow2, whole_grid)
     if saved is not None and fitting.cost(sizes, saved) * (1 - REFIT_GAIN) <= fitting.cost(sizes, new):
         return Buckets(saved, setting)
     try:
