@@ -246,6 +246,9 @@ def test_stats_shape_and_reset(sim) -> None:
 
 
 def test_install_validates_arguments() -> None:
+    # The runtime initialises at the first use of the device; before it a resize is allowed. Used here first, so
+    # that this test refuses one wherever it runs in the session (first on a worker, it resized the worker's cores).
+    torch.ones(1, device="neuron").cpu()
     with pytest.raises(ValueError, match="simulated cores 0"):
         simulator.install(cores=0)
     with pytest.raises(ValueError, match="'lots'"):
