@@ -147,6 +147,7 @@ def test_two_accelerate_launches_precompile_at_once_on_their_own_cores_and_ports
     assert proc.returncode == 0, proc.stderr[-4000:]
     warm = last_json(proc.stdout)
     assert warm["jobs"] == 2 and warm["exit_codes"] == [0, 0], warm
+    assert not (tmp_path / "out").exists()  # the warm-up of a launch writes nothing into its output folder
     _assert_each_graph_compiled_once(warm, processes=4)
     _assert_the_real_launch_compiles_nothing(cache, warm, *launch, str(tmp_path / "real"))
 
